@@ -1,0 +1,627 @@
+//! # rdmx-conformance
+//!
+//! One suite, generic over [`rdmx_core::Transport`], that every transport (TCP,
+//! soft RoCE, hardware RDMA) must pass unchanged. A transport crate runs it with
+//!
+//! ```ignore
+//! rdmx_conformance::conformance_tests!(Suite::new(Arc::new(MyTransport::new()), "127.0.0.1:0"));
+//! ```
+//!
+//! which expands to one `#[tokio::test]` per case. Every case asserts on data
+//! (exact bytes, hashes, exact totals), not only on `Ok`.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use rdmx_core::{
+    Access, AccessError, Connection, Error, Incoming, Listener, Options, RemoteRegion, Transport,
+};
+use sha2::{Digest, Sha256};
+
+/// A transport under test and where its listeners bind.
+#[derive(Clone)]
+pub struct Suite {
+    /// The transport.
+    pub transport: Arc<dyn Transport>,
+    /// Listen address (`host:0` picks a free port).
+    pub listen_addr: String,
+}
+
+/// A connected pair: `client` connected to `server`, whose domain is `server_opts.domain`.
+pub struct Pair {
+    /// Active side.
+    pub client: Connection,
+    /// Passive side.
+    pub server: Connection,
+    /// Options the client used.
+    pub client_opts: Options,
+    /// Options the server used (its domain serves the client's one-sided ops).
+    pub server_opts: Options,
+    /// The listener, kept so more clients can connect.
+    pub listener: Listener,
+}
+
+/// Deterministic pseudo-random bytes (splitmix64), so failures reproduce.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ len as u64;
+    while out.len() < len {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Poll a future exactly once (so it starts), whatever it returns.
+async fn poll_once<F: std::future::Future>(mut f: std::pin::Pin<&mut F>) {
+    std::future::poll_fn(|cx| {
+        let _ = f.as_mut().poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await
+}
+
+fn sha(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+fn denied(r: rdmx_core::Result<impl std::fmt::Debug>) -> AccessError {
+    match r {
+        Err(Error::RemoteAccess(a)) => a,
+        other => panic!("expected a remote access error, got {other:?}"),
+    }
+}
+
+impl Suite {
+    /// A suite for `transport`, listening on `listen_addr`.
+    pub fn new(transport: Arc<dyn Transport>, listen_addr: &str) -> Suite {
+        Suite {
+            transport,
+            listen_addr: listen_addr.to_string(),
+        }
+    }
+
+    /// Connect a client to a fresh listener.
+    pub async fn pair_with(&self, client_opts: Options, server_opts: Options) -> Pair {
+        let mut listener = self
+            .transport
+            .listen(&self.listen_addr, &server_opts)
+            .await
+            .expect("listen");
+        let addr = listener.local_addr().to_string();
+        let (client, server) = tokio::join!(
+            self.transport.connect(&addr, &client_opts),
+            listener.accept()
+        );
+        let client = client.expect("connect");
+        let server = server.expect("accept");
+        assert_eq!(client.transport(), self.transport.name());
+        assert_eq!(server.transport(), self.transport.name());
+        assert_eq!(client.fallback_reason(), None);
+        Pair {
+            client,
+            server,
+            client_opts,
+            server_opts,
+            listener,
+        }
+    }
+
+    /// A pair with default options.
+    pub async fn pair(&self) -> Pair {
+        self.pair_with(Options::default(), Options::default()).await
+    }
+
+    /// Another client to `pair`'s listener (accepted on the server side too).
+    pub async fn another_client(&self, pair: &mut Pair) -> (Connection, Connection) {
+        let addr = pair.listener.local_addr().to_string();
+        let (c, s) = tokio::join!(
+            self.transport.connect(&addr, &Options::default()),
+            pair.listener.accept()
+        );
+        (c.expect("connect"), s.expect("accept"))
+    }
+
+    /// Messages keep order and boundaries from 0 B to 16 MiB; a message larger
+    /// than the peer accepts fails clearly and the connection stays usable.
+    pub async fn message_order_and_boundaries(&self) {
+        let p = self.pair().await;
+        let sizes = [
+            0usize, 1, 7, 8, 63, 4095, 4096, 4097, 65_537, 1 << 20, 3 << 20, 16 << 20,
+        ];
+        let sender = {
+            let c = p.client.clone();
+            tokio::spawn(async move {
+                for (i, &n) in sizes.iter().enumerate() {
+                    c.send(pattern(i as u64, n)).await.expect("send");
+                }
+            })
+        };
+        for (i, &n) in sizes.iter().enumerate() {
+            let m = p.server.recv_message().await.expect("recv");
+            assert_eq!(m.len(), n, "message {i} size");
+            assert_eq!(sha(&m), sha(&pattern(i as u64, n)), "message {i} bytes");
+        }
+        sender.await.unwrap();
+        // Many small messages from several tasks: each task's order is kept.
+        let mut tasks = Vec::new();
+        for t in 0..4u8 {
+            let c = p.client.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..500u32 {
+                    let mut m = vec![t];
+                    m.extend_from_slice(&i.to_le_bytes());
+                    c.send(m).await.expect("send");
+                }
+            }));
+        }
+        let mut next = [0u32; 4];
+        for _ in 0..2000 {
+            let m = p.server.recv_message().await.unwrap();
+            assert_eq!(m.len(), 5);
+            let t = m[0] as usize;
+            assert_eq!(u32::from_le_bytes(m[1..5].try_into().unwrap()), next[t]);
+            next[t] += 1;
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let too_big = p.client.capabilities().max_message_size as usize + 1;
+        match p.client.send(vec![0u8; too_big]).await {
+            Err(Error::ResourceExhausted(_)) => {}
+            other => panic!("oversized message: {other:?}"),
+        }
+        p.client.send(&b"still fine"[..]).await.unwrap();
+        assert_eq!(&p.server.recv_message().await.unwrap()[..], b"still fine");
+    }
+
+    /// Reads and writes at region edges, unaligned, zero-length, last byte;
+    /// through `Bytes` and through local registered slices.
+    pub async fn read_write_edges(&self) {
+        let p = self.pair().await;
+        let mr = p
+            .server_opts
+            .domain
+            .register(4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let r = mr.remote();
+        let mut model = vec![0u8; 4096];
+        let cases: [(u64, usize); 7] = [
+            (0, 1),
+            (4095, 1),
+            (3, 13),
+            (0, 4096),
+            (1000, 0),
+            (4096, 0),
+            (2047, 1025),
+        ];
+        for (i, &(off, len)) in cases.iter().enumerate() {
+            let data = pattern(100 + i as u64, len);
+            let dst = r.slice(off, len as u64).unwrap();
+            p.client.write(data.clone(), dst).await.unwrap();
+            model[off as usize..off as usize + len].copy_from_slice(&data);
+            assert_eq!(&mr.read()[..], &model[..], "after write {off}+{len}");
+            let back = p.client.read(dst).await.unwrap();
+            assert_eq!(&back[..], &data[..], "read back {off}+{len}");
+        }
+        // Local registered slices as source and destination.
+        let local = p.client_opts.domain.register(4096, Access::LOCAL);
+        local.write()[..100].copy_from_slice(&pattern(7, 100));
+        p.client
+            .write_from(local.slice(0, 100).unwrap(), r.slice(3996, 100).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(&mr.read()[3996..], &pattern(7, 100)[..]);
+        p.client
+            .read_into(r.slice(0, 4096).unwrap(), local.slice(0, 4096).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(&local.read()[..], &mr.read()[..]);
+        // Length mismatches are refused locally.
+        assert!(matches!(
+            p.client.write(vec![1u8; 3], r.slice(0, 4).unwrap()).await,
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    /// Every access violation kind is reported as such, stores nothing, and
+    /// leaves the connection usable.
+    pub async fn access_violations(&self) {
+        let p = self.pair().await;
+        let d = &p.server_opts.domain;
+        let ro = d.register_from(&pattern(1, 256), Access::REMOTE_READ);
+        let wo = d.register(256, Access::REMOTE_WRITE);
+        let rw = d.register(256, Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC);
+        let c = &p.client;
+        let before = (sha(&ro.read()), sha(&wo.read()), sha(&rw.read()));
+
+        let bogus = RemoteRegion {
+            rkey: ro.rkey() ^ 0x5a5a_5a5a,
+            ..ro.remote()
+        };
+        assert_eq!(denied(c.read(bogus.slice(0, 8).unwrap()).await), AccessError::UnknownKey);
+        assert_eq!(denied(c.write(vec![1; 8], bogus.slice(0, 8).unwrap()).await), AccessError::UnknownKey);
+        assert_eq!(denied(c.fetch_and_add(bogus.word(0).unwrap(), 1).await), AccessError::UnknownKey);
+
+        let past = RemoteRegion { len: 257, ..rw.remote() };
+        assert_eq!(denied(c.read(past).await), AccessError::OutOfBounds);
+        assert_eq!(denied(c.write(vec![9; 257], past).await), AccessError::OutOfBounds);
+        let before_start = RemoteRegion { addr: rw.remote().addr - 8, len: 8, ..rw.remote() };
+        assert_eq!(denied(c.read(before_start).await), AccessError::OutOfBounds);
+        let beyond = RemoteRegion { addr: rw.remote().addr + 256, len: 8, ..rw.remote() };
+        assert_eq!(denied(c.fetch_and_add(beyond, 1).await), AccessError::OutOfBounds);
+        assert_eq!(
+            denied(c.compare_and_swap(RemoteRegion { addr: rw.remote().addr + 4, len: 8, ..rw.remote() }, 0, 1).await),
+            AccessError::Misaligned
+        );
+
+        assert_eq!(denied(c.write(vec![1; 8], ro.remote().slice(0, 8).unwrap()).await), AccessError::Permission);
+        assert_eq!(denied(c.fetch_and_add(ro.remote().word(0).unwrap(), 1).await), AccessError::Permission);
+        assert_eq!(denied(c.read(wo.remote().slice(0, 8).unwrap()).await), AccessError::Permission);
+        assert_eq!(denied(c.compare_and_swap(wo.remote().word(8).unwrap(), 0, 1).await), AccessError::Permission);
+
+        assert_eq!((sha(&ro.read()), sha(&wo.read()), sha(&rw.read())), before, "a refused access stored data");
+
+        let gone = d.register(64, Access::ALL);
+        let gone_r = gone.remote();
+        c.write(vec![3; 64], gone_r).await.unwrap();
+        gone.deregister();
+        assert_eq!(denied(c.read(gone_r).await), AccessError::Revoked);
+        assert_eq!(denied(c.write(vec![4; 64], gone_r).await), AccessError::Revoked);
+        assert_eq!(denied(c.fetch_and_add(gone_r.word(0).unwrap(), 1).await), AccessError::Revoked);
+
+        // Still usable afterwards, in both directions.
+        c.write(vec![7; 16], rw.remote().slice(16, 16).unwrap()).await.unwrap();
+        assert_eq!(&rw.read()[16..32], &[7u8; 16]);
+        p.server.send(&b"ok"[..]).await.unwrap();
+        assert_eq!(&c.recv_message().await.unwrap()[..], b"ok");
+        assert!(p.client.stats().errors >= 15);
+    }
+
+    /// N connections × T tasks × M fetch-and-adds give an exact total and every
+    /// old value exactly once; a CAS spin lock never loses an update.
+    pub async fn atomics_under_contention(&self) {
+        const CONNS: usize = 3;
+        const TASKS: usize = 4;
+        const M: u64 = 150;
+        let mut p = self.pair().await;
+        let mr = p.server_opts.domain.register(64, Access::ALL);
+        let r = mr.remote();
+        let mut conns = vec![p.client.clone()];
+        let mut keep = Vec::new();
+        for _ in 1..CONNS {
+            let (c, s) = self.another_client(&mut p).await;
+            conns.push(c);
+            keep.push(s);
+        }
+        let counter = r.word(0).unwrap();
+        let lock = r.word(8).unwrap();
+        let guarded = r.slice(16, 8).unwrap();
+        let mut tasks = Vec::new();
+        for (ci, c) in conns.iter().enumerate() {
+            for t in 0..TASKS {
+                let c = c.clone();
+                let me = (ci * TASKS + t + 1) as u64;
+                tasks.push(tokio::spawn(async move {
+                    let mut olds = Vec::new();
+                    for _ in 0..M {
+                        olds.push(c.fetch_and_add(counter, 1).await.unwrap());
+                        // Spin lock: CAS 0 -> me, read-modify-write, CAS me -> 0.
+                        while c.compare_and_swap(lock, 0, me).await.unwrap() != 0 {
+                            tokio::task::yield_now().await;
+                        }
+                        let v = u64::from_ne_bytes(c.read(guarded).await.unwrap()[..].try_into().unwrap());
+                        c.write((v + 1).to_ne_bytes().to_vec(), guarded).await.unwrap();
+                        assert_eq!(c.compare_and_swap(lock, me, 0).await.unwrap(), me, "lock stolen");
+                    }
+                    olds
+                }));
+            }
+        }
+        let mut seen = HashSet::new();
+        for t in tasks {
+            for v in t.await.unwrap() {
+                assert!(seen.insert(v), "old value {v} returned twice");
+            }
+        }
+        let total = (CONNS * TASKS) as u64 * M;
+        assert_eq!(mr.load_u64(0), total);
+        assert_eq!(seen, (0..total).collect::<HashSet<_>>());
+        assert_eq!(mr.load_u64(8), 0, "lock left held");
+        assert_eq!(mr.load_u64(16), total, "CAS lock lost an update");
+        // Wrapping add.
+        mr.store_u64(24, u64::MAX);
+        assert_eq!(p.client.fetch_and_add(r.word(24).unwrap(), 2).await.unwrap(), u64::MAX);
+        assert_eq!(mr.load_u64(24), 1);
+    }
+
+    /// A 256 MiB transfer, written and read back, checked by hash.
+    pub async fn large_transfer(&self) {
+        const LEN: usize = 256 << 20;
+        const OP: usize = 16 << 20;
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(LEN, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let r = mr.remote();
+        let data = Bytes::from(pattern(256, LEN));
+        let want = sha(&data);
+        let mut ops = FuturesUnordered::new();
+        for off in (0..LEN).step_by(OP) {
+            ops.push(p.client.write(data.slice(off..off + OP), r.slice(off as u64, OP as u64).unwrap()).into_future());
+        }
+        while let Some(res) = ops.next().await {
+            res.unwrap();
+        }
+        assert_eq!(sha(&mr.read()), want, "remote region after 256 MiB of writes");
+        mr.write()[..8].copy_from_slice(b"modified");
+        let mut back = vec![0u8; LEN];
+        let mut ops = FuturesUnordered::new();
+        for off in (0..LEN).step_by(OP) {
+            let f = p.client.read(r.slice(off as u64, OP as u64).unwrap());
+            ops.push(async move { (off, f.await) });
+        }
+        while let Some((off, res)) = ops.next().await {
+            back[off..off + OP].copy_from_slice(&res.unwrap());
+        }
+        let mut expect = data.to_vec();
+        expect[..8].copy_from_slice(b"modified");
+        assert_eq!(sha(&back), sha(&expect), "256 MiB read back");
+        // One single 64 MiB operation each way, too.
+        let one = r.slice(0, 64 << 20).unwrap();
+        p.client.write(data.slice(0..64 << 20), one).await.unwrap();
+        assert_eq!(sha(&p.client.read(one).await.unwrap()), sha(&data[..64 << 20]));
+    }
+
+    /// Over 1,000 operations in flight at once on one connection, all correct.
+    pub async fn many_in_flight(&self) {
+        const N: usize = 1500;
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(N * 64 + 8, Access::ALL);
+        let r = mr.remote();
+        let ctr = r.word((N * 64) as u64).unwrap();
+        let mut ops = FuturesUnordered::new();
+        for i in 0..N {
+            let c = p.client.clone();
+            ops.push(async move {
+                let slot = r.slice((i * 64) as u64, 64).unwrap();
+                c.write(pattern(i as u64, 64), slot).await?;
+                let back = c.read(slot).await?;
+                let old = c.fetch_and_add(ctr, 1).await?;
+                Ok::<_, Error>((i, back, old))
+            });
+        }
+        let mut olds = HashSet::new();
+        let mut done = 0;
+        while let Some(res) = ops.next().await {
+            let (i, back, old) = res.unwrap();
+            assert_eq!(&back[..], &pattern(i as u64, 64)[..]);
+            assert!(olds.insert(old));
+            done += 1;
+        }
+        assert_eq!(done, N);
+        assert_eq!(mr.load_u64(N * 64), N as u64);
+        for i in 0..N {
+            assert_eq!(&mr.read()[i * 64..i * 64 + 64], &pattern(i as u64, 64)[..]);
+        }
+    }
+
+    /// Killing the peer mid-transfer fails in-flight and later operations with
+    /// `Disconnected` well within the deadline; nothing hangs.
+    pub async fn peer_killed_mid_transfer(&self) {
+        let Pair { client, server, server_opts, listener, .. } = self.pair().await;
+        let mr = server_opts.domain.register(64 << 20, Access::ALL);
+        let r = mr.remote();
+        let data = Bytes::from(pattern(9, 4 << 20));
+        let mut ops = FuturesUnordered::new();
+        for i in 0..64u64 {
+            let dst = r.slice((i % 16) * (4 << 20), 4 << 20).unwrap();
+            ops.push(client.write(data.clone(), dst).into_future());
+        }
+        let recv = tokio::spawn({
+            let c = client.clone();
+            async move { c.recv().await }
+        });
+        // Let some of the transfer happen, then kill the peer.
+        let first = ops.next().await.expect("one op");
+        first.expect("the first write completes before the kill");
+        let started = Instant::now();
+        drop(server);
+        drop(listener);
+        drop(mr);
+        let mut failed = 0;
+        while let Some(res) = ops.next().await {
+            match res {
+                Ok(()) => {}
+                Err(Error::Disconnected(_)) => failed += 1,
+                Err(e) => panic!("expected Disconnected, got {e}"),
+            }
+        }
+        let after = client.read(r.slice(0, 8).unwrap()).await;
+        assert!(matches!(after, Err(Error::Disconnected(_))), "{after:?}");
+        assert!(matches!(recv.await.unwrap(), Err(Error::Disconnected(_))));
+        assert!(started.elapsed() < client.op_timeout() / 2, "took {:?}", started.elapsed());
+        assert!(failed > 0 || client.stats().writes == 64);
+    }
+
+    /// Dropping in-flight futures in a loop never corrupts later operations or
+    /// memory, and a dropped `read_into` never writes its slice.
+    pub async fn drop_in_flight_futures(&self) {
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(1 << 20, Access::ALL);
+        let r = mr.remote();
+        let local = p.client_opts.domain.register(1 << 20, Access::LOCAL);
+        for i in 0..200u64 {
+            let size = 1 + (i as usize * 7919) % (256 << 10);
+            let dst = r.slice(0, size as u64).unwrap();
+            // Poll each once (it starts), then drop it.
+            let w = p.client.write(pattern(i, size), dst).into_future();
+            let rd = p.client.read_into(dst, local.slice(0, size).unwrap()).into_future();
+            let f = p.client.fetch_and_add(r.word((1 << 20) - 8).unwrap(), 1).into_future();
+            let s = p.client.send(pattern(i, 100)).into_future();
+            let mut all = Box::pin(async move { tokio::join!(w, rd, f, s) });
+            poll_once(all.as_mut()).await;
+            drop(all);
+            if i % 50 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        // A dropped read_into must never land in the local slice later.
+        local.write().fill(0xAB);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(local.read().iter().all(|&b| b == 0xAB), "a dropped read wrote local memory");
+        // Everything still exact afterwards.
+        for i in 0..20u64 {
+            let size = 4096 * (i as usize + 1);
+            let dst = r.slice(i * 512, size as u64).unwrap();
+            let want = pattern(1000 + i, size);
+            p.client.write(want.clone(), dst).await.unwrap();
+            assert_eq!(&p.client.read(dst).await.unwrap()[..], &want[..]);
+            assert_eq!(&mr.read()[(i * 512) as usize..(i * 512) as usize + size], &want[..]);
+        }
+        // Messages that were sent arrived whole and in order; a marker follows them.
+        p.client.send(&b"END"[..]).await.unwrap();
+        let mut prev = None;
+        loop {
+            let m = p.server.recv_message().await.unwrap();
+            if &m[..] == b"END" {
+                break;
+            }
+            let i = (0..200u64).find(|&i| pattern(i, 100) == m[..]).expect("a torn or unknown message");
+            assert!(prev.is_none_or(|p| i > p), "messages out of order");
+            prev = Some(i);
+        }
+    }
+
+    /// A receiver that does not consume stalls the sender at its credits,
+    /// without growing memory; consuming releases the sender, nothing is lost.
+    pub async fn credits_stall_sender(&self) {
+        let server_opts = Options {
+            recv_credits: 8,
+            recv_window: 1 << 20,
+            max_message: 256 << 10,
+            ..Options::default()
+        };
+        let p = self.pair_with(Options::default(), server_opts).await;
+        assert_eq!(p.client.capabilities().recv_credits, 8);
+        for i in 0..8u64 {
+            p.client.send(pattern(i, 1000)).await.unwrap();
+        }
+        let stalled = p.client.send(pattern(8, 1000)).timeout(Duration::from_millis(300)).await;
+        assert!(matches!(stalled, Err(Error::TimedOut(_))), "{stalled:?}");
+        assert!(p.client.stats().credit_stalls >= 1);
+        // The byte window stalls too: 4 × 256 KiB exceed 1 MiB minus what is queued.
+        let sender = {
+            let c = p.client.clone();
+            tokio::spawn(async move {
+                for i in 8..40u64 {
+                    c.send(pattern(i, if i % 2 == 0 { 1000 } else { 200 << 10 })).await.unwrap();
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!sender.is_finished(), "sender must wait for credits");
+        for i in 0..40u64 {
+            let want = if i < 8 || i % 2 == 0 { pattern(i, 1000) } else { pattern(i, 200 << 10) };
+            assert_eq!(&p.server.recv_message().await.unwrap()[..], &want[..], "message {i}");
+        }
+        sender.await.unwrap();
+    }
+
+    /// Write-with-immediate: the notice arrives through `recv` after the data landed.
+    pub async fn write_with_immediate(&self) {
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(8 << 20, Access::REMOTE_WRITE);
+        let r = mr.remote();
+        for (i, len) in [0usize, 8, 5000, 6 << 20].into_iter().enumerate() {
+            let data = pattern(i as u64 + 50, len);
+            p.client.write_with_imm(data.clone(), r.slice(0, len as u64).unwrap(), 0xC0DE_0000 + i as u32).await.unwrap();
+            match p.server.recv().await.unwrap() {
+                Incoming::WriteImm { imm, len: l } => {
+                    assert_eq!(imm, 0xC0DE_0000 + i as u32);
+                    assert_eq!(l, len as u64);
+                    assert_eq!(&mr.read()[..len], &data[..]);
+                }
+                other => panic!("expected a write notice, got {other:?}"),
+            }
+        }
+        // Notices and messages share one ordered receive queue.
+        p.client.send(&b"before"[..]).await.unwrap();
+        p.client.write_with_imm(vec![1; 4], r.slice(0, 4).unwrap(), 7).await.unwrap();
+        p.client.send(&b"after"[..]).await.unwrap();
+        assert_eq!(p.server.recv().await.unwrap(), Incoming::Message(Bytes::from_static(b"before")));
+        assert_eq!(p.server.recv().await.unwrap(), Incoming::WriteImm { imm: 7, len: 4 });
+        assert_eq!(p.server.recv().await.unwrap(), Incoming::Message(Bytes::from_static(b"after")));
+    }
+
+    /// Graceful close: the peer's receive ends with `Disconnected`, later
+    /// operations on either side fail cleanly.
+    pub async fn graceful_close(&self) {
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(64, Access::ALL);
+        p.client.send(&b"last words"[..]).await.unwrap();
+        p.client.close().await.unwrap();
+        assert_eq!(&p.server.recv_message().await.unwrap()[..], b"last words");
+        assert!(matches!(p.server.recv().await, Err(Error::Disconnected(_))));
+        assert!(matches!(p.client.read(mr.remote()).await, Err(Error::Disconnected(_))));
+        assert!(matches!(p.server.send(&b"x"[..]).await, Err(Error::Disconnected(_))));
+    }
+
+    /// Per-call deadlines override the default, and counters count.
+    pub async fn deadlines_and_counters(&self) {
+        let opts = Options { op_timeout: Duration::from_millis(250), recv_credits: 4, max_message: 1024, recv_window: 4096, ..Options::default() };
+        let p = self.pair_with(opts.clone(), opts).await;
+        assert_eq!(p.client.op_timeout(), Duration::from_millis(250));
+        for _ in 0..4 {
+            p.client.send(vec![0u8; 10]).await.unwrap();
+        }
+        let t0 = Instant::now();
+        let r = p.client.send(vec![0u8; 10]).await;
+        assert!(matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(250)), "{r:?}");
+        assert!(t0.elapsed() >= Duration::from_millis(240));
+        let r = p.client.send(vec![0u8; 10]).timeout(Duration::from_millis(20)).await;
+        assert!(matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(20)), "{r:?}");
+        let s = p.client.stats();
+        assert_eq!(s.sends, 4);
+        assert_eq!(s.timeouts, 2);
+        assert_eq!(s.bytes_sent, 40);
+        let mr = p.server_opts.domain.register(64, Access::ALL);
+        p.client.write(vec![1u8; 64], mr.remote()).await.unwrap();
+        p.client.read(mr.remote()).await.unwrap();
+        p.client.fetch_and_add(mr.remote().word(0).unwrap(), 1).await.unwrap();
+        let s = p.client.stats();
+        assert_eq!((s.writes, s.reads, s.atomics), (1, 1, 1));
+        assert!(p.server.stats().remote_ops_served >= 3);
+    }
+}
+
+/// Expand to one `#[tokio::test]` per conformance case for the suite built by `$make`.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@cases $make;
+            message_order_and_boundaries, read_write_edges, access_violations,
+            atomics_under_contention, large_transfer, many_in_flight,
+            peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
+            write_with_immediate, graceful_close, deadlines_and_counters);
+    };
+    (@cases $make:expr; $($case:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let suite: $crate::Suite = $make;
+                tokio::time::timeout(std::time::Duration::from_secs(300), suite.$case())
+                    .await
+                    .expect("conformance case hung");
+            }
+        )*
+    };
+}

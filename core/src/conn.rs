@@ -1,0 +1,400 @@
+//! Connections and their operations.
+
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tracing::Instrument;
+
+use crate::caps::Capabilities;
+use crate::error::{Error, Result};
+use crate::memory::{AtomicOp, Domain, LocalSlice, RemoteRegion};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// A boxed, sendable future (what transports return).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Something that arrived on a connection's receive side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Incoming {
+    /// A two-sided message, boundaries preserved.
+    Message(Bytes),
+    /// The peer's write-with-immediate landed: `len` bytes are in our region.
+    WriteImm {
+        /// The 32-bit immediate value the writer attached.
+        imm: u32,
+        /// Bytes written.
+        len: u64,
+    },
+}
+
+impl Incoming {
+    /// The message payload, or an error if this was a write notice.
+    pub fn into_message(self) -> Result<Bytes> {
+        match self {
+            Incoming::Message(b) => Ok(b),
+            Incoming::WriteImm { imm, .. } => Err(Error::InvalidArgument(format!(
+                "expected a message, got a write-with-immediate notice (imm {imm})"
+            ))),
+        }
+    }
+}
+
+/// What a connection is, and how it came to be.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ConnectionInfo {
+    /// Transport actually carrying data (`"tcp"`, `"soft-roce"`, `"rdma"`).
+    pub transport: String,
+    /// Provider detail (e.g. device name for RDMA, `"kernel-tcp"` for TCP).
+    pub provider: String,
+    /// Why the connection is not using the transport the URL asked for, if it is not.
+    pub fallback_reason: Option<String>,
+    /// Our socket address.
+    pub local_addr: Option<SocketAddr>,
+    /// The peer's socket address.
+    pub peer_addr: Option<SocketAddr>,
+    /// Capabilities negotiated for this connection.
+    pub capabilities: Capabilities,
+    /// True if shared-secret authentication succeeded on this connection.
+    pub authenticated: bool,
+}
+
+/// The interface a transport implements for one connection.
+///
+/// Users call [`Connection`], which adds deadlines, counters and tracing on top.
+/// Every future returned must be `'static` and own what it needs: dropping it at
+/// any await point must leave the connection usable and must not let the
+/// transport touch memory the caller may reuse.
+pub trait RawConnection: Send + Sync + 'static {
+    /// Static facts about the connection.
+    fn info(&self) -> ConnectionInfo;
+    /// The connection's counters.
+    fn stats(&self) -> &Arc<Stats>;
+    /// The domain whose regions this connection serves to the peer.
+    fn domain(&self) -> &Domain;
+    /// Send one message; waits for a receive credit.
+    fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>>;
+    /// Receive the next message or write-with-immediate notice.
+    fn recv(&self) -> BoxFuture<'static, Result<Incoming>>;
+    /// Read the remote range; the returned bytes are owned by the caller.
+    fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>>;
+    /// Write `data` to the remote range (`data.len() == dst.len`), optionally with an
+    /// immediate that the peer receives through `recv` after the data landed.
+    fn write(&self, dst: RemoteRegion, data: Bytes, imm: Option<u32>)
+        -> BoxFuture<'static, Result<()>>;
+    /// Run an atomic on the remote 8-byte word; returns the old value.
+    fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>>;
+    /// Close gracefully: the peer sees a clean disconnect.
+    fn close(&self) -> BoxFuture<'static, Result<()>>;
+}
+
+/// Default deadline for one operation.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection to a peer, over whichever transport was selected.
+///
+/// Cheap to clone; clones share the connection, so many tasks can keep
+/// operations in flight at once. The connection closes when the last clone drops.
+#[derive(Clone)]
+pub struct Connection {
+    raw: Arc<dyn RawConnection>,
+    info: Arc<ConnectionInfo>,
+    op_timeout: Duration,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("transport", &self.info.transport)
+            .field("peer", &self.info.peer_addr)
+            .field("fallback_reason", &self.info.fallback_reason)
+            .finish()
+    }
+}
+
+/// Which kind of operation an [`Op`] is (for counters and spans).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    Send,
+    Recv,
+    Read,
+    Write,
+    Atomic,
+    Close,
+}
+
+impl OpKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Atomic => "atomic",
+            OpKind::Close => "close",
+        }
+    }
+}
+
+/// A pending operation. Await it (or call [`Op::timeout`] first to change its
+/// deadline). Dropping it cancels the wait; see the crate docs for what
+/// cancellation guarantees.
+#[must_use = "operations do nothing unless awaited"]
+pub struct Op<T> {
+    fut: BoxFuture<'static, Result<T>>,
+    timeout: Option<Duration>,
+    kind: OpKind,
+    bytes: u64,
+    stats: Arc<Stats>,
+}
+
+impl<T> Op<T> {
+    /// Replace the deadline for this operation.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+
+    /// Wait without a deadline (a dead peer is still reported when the transport
+    /// notices the connection failing).
+    pub fn no_timeout(mut self) -> Self {
+        self.timeout = None;
+        self
+    }
+}
+
+impl<T: Send + 'static> IntoFuture for Op<T> {
+    type Output = Result<T>;
+    type IntoFuture = BoxFuture<'static, Result<T>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let Op {
+            fut,
+            timeout,
+            kind,
+            bytes,
+            stats,
+        } = self;
+        let span = tracing::trace_span!("rdmx.op", op = kind.as_str(), bytes);
+        Box::pin(
+            async move {
+                let res = match timeout {
+                    Some(d) => match tokio::time::timeout(d, fut).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            stats.add(|s| &s.timeouts, 1);
+                            Err(Error::TimedOut(d))
+                        }
+                    },
+                    None => fut.await,
+                };
+                match &res {
+                    Ok(_) => match kind {
+                        OpKind::Read => stats.add(|s| &s.reads, 1),
+                        OpKind::Write => stats.add(|s| &s.writes, 1),
+                        OpKind::Atomic => stats.add(|s| &s.atomics, 1),
+                        OpKind::Send => stats.add(|s| &s.sends, 1),
+                        OpKind::Recv => stats.add(|s| &s.recvs, 1),
+                        OpKind::Close => {}
+                    },
+                    Err(e) => {
+                        stats.add(|s| &s.errors, 1);
+                        tracing::debug!(error = %e, "operation failed");
+                    }
+                }
+                res
+            }
+            .instrument(span),
+        )
+    }
+}
+
+impl Connection {
+    /// Wrap a transport's connection. `op_timeout` is the default deadline.
+    pub fn new(raw: Arc<dyn RawConnection>, op_timeout: Duration) -> Connection {
+        let info = Arc::new(raw.info());
+        Connection {
+            raw,
+            info,
+            op_timeout,
+        }
+    }
+
+    pub(crate) fn set_fallback_reason(&mut self, reason: String) {
+        let mut info = (*self.info).clone();
+        info.fallback_reason = Some(reason);
+        self.info = Arc::new(info);
+    }
+
+    fn op<T>(&self, kind: OpKind, bytes: u64, fut: BoxFuture<'static, Result<T>>) -> Op<T> {
+        Op {
+            fut,
+            timeout: Some(self.op_timeout),
+            kind,
+            bytes,
+            stats: self.raw.stats().clone(),
+        }
+    }
+
+    /// Facts about this connection: transport, provider, fallback reason, peer.
+    pub fn info(&self) -> &ConnectionInfo {
+        &self.info
+    }
+
+    /// The transport really carrying data (`"tcp"`, `"soft-roce"`, `"rdma"`).
+    pub fn transport(&self) -> &str {
+        &self.info.transport
+    }
+
+    /// Why this connection is not on the transport its URL asked for, if so.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.info.fallback_reason.as_deref()
+    }
+
+    /// Negotiated capabilities.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.info.capabilities
+    }
+
+    /// The domain whose regions this connection serves to its peer.
+    pub fn domain(&self) -> &Domain {
+        self.raw.domain()
+    }
+
+    /// This connection's counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.raw.stats().snapshot()
+    }
+
+    /// Default deadline of operations on this connection.
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// Send a message. Waits while the peer has no receive credit left.
+    pub fn send(&self, msg: impl Into<Bytes>) -> Op<()> {
+        let msg = msg.into();
+        let len = msg.len() as u64;
+        self.op(OpKind::Send, len, self.raw.send(msg))
+    }
+
+    /// Receive the next message (or write-with-immediate notice). No deadline by
+    /// default: a server waits for its clients; use [`Op::timeout`] to bound it.
+    /// A closed or dead peer ends the wait with [`Error::Disconnected`].
+    pub fn recv(&self) -> Op<Incoming> {
+        let mut op = self.op(OpKind::Recv, 0, self.raw.recv());
+        op.timeout = None;
+        op
+    }
+
+    /// Receive the next two-sided message.
+    pub fn recv_message(&self) -> Op<Bytes> {
+        let fut = self.raw.recv();
+        let mut op = self.op(
+            OpKind::Recv,
+            0,
+            Box::pin(async move { fut.await?.into_message() }),
+        );
+        op.timeout = None;
+        op
+    }
+
+    /// One-sided read of the remote range into new owned bytes.
+    pub fn read(&self, src: RemoteRegion) -> Op<Bytes> {
+        self.op(OpKind::Read, src.len, self.raw.read(src))
+    }
+
+    /// One-sided read of the remote range into a local registered slice of the
+    /// same length. The slice is written only when the read completes while this
+    /// operation is still awaited; a dropped read never writes it.
+    pub fn read_into(&self, src: RemoteRegion, dst: LocalSlice) -> Op<()> {
+        if src.len != dst.len() as u64 {
+            return self.failed(
+                OpKind::Read,
+                Error::InvalidArgument(format!(
+                    "read of {} bytes into a {}-byte slice",
+                    src.len,
+                    dst.len()
+                )),
+            );
+        }
+        let fut = self.raw.read(src);
+        self.op(
+            OpKind::Read,
+            src.len,
+            Box::pin(async move {
+                let data = fut.await?;
+                dst.fill_from(&data)
+            }),
+        )
+    }
+
+    /// One-sided write of `data` to the remote range (lengths must match).
+    pub fn write(&self, data: impl Into<Bytes>, dst: RemoteRegion) -> Op<()> {
+        self.write_inner(data.into(), dst, None)
+    }
+
+    /// One-sided write from a local registered slice (its bytes are taken when
+    /// the operation is created).
+    pub fn write_from(&self, src: LocalSlice, dst: RemoteRegion) -> Op<()> {
+        match src.to_bytes() {
+            Ok(b) => self.write_inner(b, dst, None),
+            Err(e) => self.failed(OpKind::Write, e),
+        }
+    }
+
+    /// Write, then notify the peer: its `recv` yields [`Incoming::WriteImm`]
+    /// with `imm` after the data is in place. Uses one of the peer's receive credits.
+    pub fn write_with_imm(&self, data: impl Into<Bytes>, dst: RemoteRegion, imm: u32) -> Op<()> {
+        self.write_inner(data.into(), dst, Some(imm))
+    }
+
+    fn write_inner(&self, data: Bytes, dst: RemoteRegion, imm: Option<u32>) -> Op<()> {
+        if data.len() as u64 != dst.len {
+            return self.failed(
+                OpKind::Write,
+                Error::InvalidArgument(format!(
+                    "write of {} bytes to a {}-byte remote range",
+                    data.len(),
+                    dst.len
+                )),
+            );
+        }
+        self.op(OpKind::Write, dst.len, self.raw.write(dst, data, imm))
+    }
+
+    /// Compare-and-swap on the remote 8-byte word `dst`; returns the old value
+    /// (the swap happened iff it equals `expected`).
+    pub fn compare_and_swap(&self, dst: RemoteRegion, expected: u64, new: u64) -> Op<u64> {
+        self.atomic(dst, AtomicOp::CompareAndSwap { expected, new })
+    }
+
+    /// Fetch-and-add on the remote 8-byte word `dst`; returns the old value.
+    pub fn fetch_and_add(&self, dst: RemoteRegion, add: u64) -> Op<u64> {
+        self.atomic(dst, AtomicOp::FetchAndAdd { add })
+    }
+
+    fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> Op<u64> {
+        if dst.len != 8 {
+            return self.failed(
+                OpKind::Atomic,
+                Error::InvalidArgument(format!("atomic target must be 8 bytes, not {}", dst.len)),
+            );
+        }
+        self.op(OpKind::Atomic, 8, self.raw.atomic(dst, op))
+    }
+
+    /// Close gracefully. Other clones see [`Error::Disconnected`] afterwards.
+    pub fn close(&self) -> Op<()> {
+        self.op(OpKind::Close, 0, self.raw.close())
+    }
+
+    fn failed<T: Send + 'static>(&self, kind: OpKind, e: Error) -> Op<T> {
+        self.op(kind, 0, Box::pin(async move { Err(e) }))
+    }
+}

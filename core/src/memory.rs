@@ -1,0 +1,744 @@
+//! Protection domains, registered memory regions and remote descriptors.
+//!
+//! A [`Domain`] is a protection domain: the set of regions a connection's peer may
+//! reach with one-sided operations. [`Domain::register`] returns a [`MemoryRegion`],
+//! the local owner handle, whose [`MemoryRegion::remote`] descriptor
+//! ([`RemoteRegion`], `{addr, len, rkey}`) can be sent to a peer.
+//!
+//! Remote keys are random 32-bit values, never reused within a domain, so a peer
+//! cannot guess them. Dropping (or [`MemoryRegion::deregister`]ing) a region revokes
+//! remote access at once: an access that has not started yet fails with
+//! [`AccessError::Revoked`], and deregistration waits for an access already in
+//! progress to finish, so no remote access touches the memory afterwards.
+//!
+//! The `remote_*` methods on [`Domain`] perform one-sided accesses *as the passive
+//! side*, with exactly the checks an RDMA NIC makes (key, bounds, permission,
+//! revocation, atomic alignment). Software transports (TCP, the soft RoCE engine)
+//! serve their peers through them.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::ops::BitOr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use bytes::Bytes;
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard,
+    RwLockWriteGuard,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{AccessError, Error, Result};
+
+/// Access rights of a registered region (like `ibv_access_flags`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Access(u8);
+
+impl Access {
+    /// Local access only: the peer can reach nothing.
+    pub const LOCAL: Access = Access(0);
+    /// The peer may read the region with one-sided reads.
+    pub const REMOTE_READ: Access = Access(1);
+    /// The peer may write the region with one-sided writes.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// The peer may run compare-and-swap and fetch-and-add on the region's words.
+    pub const REMOTE_ATOMIC: Access = Access(4);
+    /// All remote rights.
+    pub const ALL: Access = Access(7);
+
+    /// True if every right in `other` is granted by `self`.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bit set.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+impl BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        if self.contains(Access::REMOTE_READ) {
+            names.push("REMOTE_READ");
+        }
+        if self.contains(Access::REMOTE_WRITE) {
+            names.push("REMOTE_WRITE");
+        }
+        if self.contains(Access::REMOTE_ATOMIC) {
+            names.push("REMOTE_ATOMIC");
+        }
+        if names.is_empty() {
+            names.push("LOCAL");
+        }
+        write!(f, "Access({})", names.join(" | "))
+    }
+}
+
+/// A descriptor of a peer's registered region, sent between processes so the
+/// receiver can read, write or run atomics on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Virtual address of the first byte (as on RDMA NICs).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key granting access.
+    pub rkey: u32,
+}
+
+impl RemoteRegion {
+    /// Size of [`RemoteRegion::to_bytes`]'s encoding.
+    pub const ENCODED_LEN: usize = 20;
+
+    /// The sub-range `[offset, offset + len)` of this region.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteRegion> {
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidArgument("slice range overflows".into()))?;
+        if end > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "slice {offset}+{len} exceeds remote region of {} bytes",
+                self.len
+            )));
+        }
+        Ok(RemoteRegion {
+            addr: self.addr + offset,
+            len,
+            rkey: self.rkey,
+        })
+    }
+
+    /// The 8-byte word at `offset`, the target of an atomic operation.
+    pub fn word(&self, offset: u64) -> Result<RemoteRegion> {
+        self.slice(offset, 8)
+    }
+
+    /// Compact little-endian encoding: addr (8) | len (8) | rkey (4).
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[0..8].copy_from_slice(&self.addr.to_le_bytes());
+        out[8..16].copy_from_slice(&self.len.to_le_bytes());
+        out[16..20].copy_from_slice(&self.rkey.to_le_bytes());
+        out
+    }
+
+    /// Decode [`RemoteRegion::to_bytes`]; `None` if `b` is not exactly 20 bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<RemoteRegion> {
+        if b.len() != Self::ENCODED_LEN {
+            return None;
+        }
+        Some(RemoteRegion {
+            addr: u64::from_le_bytes(b[0..8].try_into().ok()?),
+            len: u64::from_le_bytes(b[8..16].try_into().ok()?),
+            rkey: u32::from_le_bytes(b[16..20].try_into().ok()?),
+        })
+    }
+}
+
+/// An atomic operation on a remote 8-byte word (IBTA 9.4.5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtomicOp {
+    /// If the word equals `expected`, replace it with `new`. Returns the old value.
+    CompareAndSwap {
+        /// Value the word must hold for the swap to happen.
+        expected: u64,
+        /// Value written on a match.
+        new: u64,
+    },
+    /// Add (wrapping) `add` to the word. Returns the old value.
+    FetchAndAdd {
+        /// Amount added.
+        add: u64,
+    },
+}
+
+/// Number of deregistered keys remembered so late accesses report `Revoked`
+/// rather than `UnknownKey`.
+const REVOKED_MEMORY: usize = 65_536;
+
+struct RegionMem {
+    /// Backing store; `u64` elements give 8-byte alignment for atomics.
+    words: Box<[u64]>,
+    len: usize,
+    revoked: bool,
+}
+
+impl RegionMem {
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len]
+    }
+}
+
+pub(crate) struct RegionInner {
+    rkey: u32,
+    addr: u64,
+    len: usize,
+    access: Access,
+    mem: RwLock<RegionMem>,
+}
+
+struct KeyTable {
+    live: HashMap<u32, Arc<RegionInner>>,
+    revoked: HashSet<u32>,
+    revoked_order: VecDeque<u32>,
+}
+
+struct DomainInner {
+    id: u64,
+    table: RwLock<KeyTable>,
+    registered_bytes: AtomicU64,
+}
+
+/// A protection domain: the regions one or more connections serve to their peers.
+///
+/// Cheap to clone; all clones are the same domain.
+#[derive(Clone)]
+pub struct Domain {
+    inner: Arc<DomainInner>,
+}
+
+impl fmt::Debug for Domain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Domain")
+            .field("id", &self.inner.id)
+            .field("regions", &self.inner.table.read().live.len())
+            .finish()
+    }
+}
+
+impl Default for Domain {
+    fn default() -> Self {
+        Domain::new()
+    }
+}
+
+impl Domain {
+    /// A new, empty protection domain.
+    pub fn new() -> Domain {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Domain {
+            inner: Arc::new(DomainInner {
+                id: NEXT.fetch_add(1, Ordering::Relaxed),
+                table: RwLock::new(KeyTable {
+                    live: HashMap::new(),
+                    revoked: HashSet::new(),
+                    revoked_order: VecDeque::new(),
+                }),
+                registered_bytes: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// True if both handles name the same domain.
+    pub fn same(&self, other: &Domain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Register `len` zeroed bytes with the given rights.
+    pub fn register(&self, len: usize, access: Access) -> MemoryRegion {
+        let words = vec![0u64; len.div_ceil(8).max(1)].into_boxed_slice();
+        self.register_words(words, len, access)
+    }
+
+    /// Register a copy of `data` with the given rights.
+    pub fn register_from(&self, data: &[u8], access: Access) -> MemoryRegion {
+        let mr = self.register(data.len(), access);
+        mr.write().copy_from_slice(data);
+        mr
+    }
+
+    fn register_words(&self, words: Box<[u64]>, len: usize, access: Access) -> MemoryRegion {
+        let addr = words.as_ptr() as u64;
+        let mut table = self.inner.table.write();
+        let rkey = loop {
+            let k: u32 = rand::random();
+            if k != 0 && !table.live.contains_key(&k) && !table.revoked.contains(&k) {
+                break k;
+            }
+        };
+        let inner = Arc::new(RegionInner {
+            rkey,
+            addr,
+            len,
+            access,
+            mem: RwLock::new(RegionMem {
+                words,
+                len,
+                revoked: false,
+            }),
+        });
+        table.live.insert(rkey, inner.clone());
+        drop(table);
+        self.inner
+            .registered_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
+        tracing::debug!(rkey = format_args!("{rkey:#010x}"), len, ?access, "region registered");
+        MemoryRegion {
+            inner,
+            domain: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// Number of live regions.
+    pub fn region_count(&self) -> usize {
+        self.inner.table.read().live.len()
+    }
+
+    /// Bytes currently registered.
+    pub fn registered_bytes(&self) -> u64 {
+        self.inner.registered_bytes.load(Ordering::Relaxed)
+    }
+
+    fn lookup(&self, rkey: u32) -> Result<Arc<RegionInner>, AccessError> {
+        let table = self.inner.table.read();
+        match table.live.get(&rkey) {
+            Some(r) => Ok(r.clone()),
+            None if table.revoked.contains(&rkey) => Err(AccessError::Revoked),
+            None => Err(AccessError::UnknownKey),
+        }
+    }
+
+    /// Resolve and check a remote access of `len` bytes at `addr` needing `need`.
+    /// Returns the region and the byte offset of `addr` inside it.
+    fn check(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Arc<RegionInner>, usize), AccessError> {
+        let region = self.lookup(rkey)?;
+        if !region.access.contains(need) {
+            return Err(AccessError::Permission);
+        }
+        let off = addr
+            .checked_sub(region.addr)
+            .ok_or(AccessError::OutOfBounds)?;
+        let end = off.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+        if end > region.len as u64 {
+            return Err(AccessError::OutOfBounds);
+        }
+        Ok((region, off as usize))
+    }
+
+    /// Passive side of a one-sided write: store `data` at `addr`.
+    ///
+    /// `op_addr`/`op_len` describe the whole operation this piece belongs to (a
+    /// transport may split one write into pieces); the whole range is checked
+    /// before any byte is stored, so a refused operation stores nothing.
+    /// A zero-length operation succeeds without checks, as on RDMA NICs
+    /// (IBTA 9.7.5.1.3: R_Key is not validated for zero-length transfers).
+    pub fn remote_write(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        data: &[u8],
+    ) -> Result<(), AccessError> {
+        if op_len == 0 && data.is_empty() {
+            return Ok(());
+        }
+        let (region, off) = self.check(rkey, op_addr, op_len, Access::REMOTE_WRITE)?;
+        let start = off as u64 + piece_offset;
+        if piece_offset + data.len() as u64 > op_len {
+            return Err(AccessError::OutOfBounds);
+        }
+        let mut mem = region.mem.write();
+        if mem.revoked {
+            return Err(AccessError::Revoked);
+        }
+        mem.bytes_mut()[start as usize..start as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Passive side of a one-sided read of `len` bytes at `piece_offset` within the
+    /// operation `[op_addr, op_addr + op_len)`; the whole range is checked.
+    pub fn remote_read(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        len: u64,
+    ) -> Result<Bytes, AccessError> {
+        if op_len == 0 && len == 0 {
+            return Ok(Bytes::new());
+        }
+        let (region, off) = self.check(rkey, op_addr, op_len, Access::REMOTE_READ)?;
+        if piece_offset + len > op_len {
+            return Err(AccessError::OutOfBounds);
+        }
+        let start = off + piece_offset as usize;
+        let mem = region.mem.read();
+        if mem.revoked {
+            return Err(AccessError::Revoked);
+        }
+        Ok(Bytes::copy_from_slice(
+            &mem.bytes()[start..start + len as usize],
+        ))
+    }
+
+    /// Passive side of a remote atomic on the 8-byte word at `addr`.
+    ///
+    /// Atomic with respect to every other remote atomic on the same domain,
+    /// whichever connection carries it. The word is in native byte order.
+    pub fn remote_atomic(&self, rkey: u32, addr: u64, op: AtomicOp) -> Result<u64, AccessError> {
+        // IBTA 9.4.5: atomics need a naturally aligned 64-bit VA.
+        if addr % 8 != 0 {
+            return Err(AccessError::Misaligned);
+        }
+        let (region, off) = self.check(rkey, addr, 8, Access::REMOTE_ATOMIC)?;
+        let mut mem = region.mem.write();
+        if mem.revoked {
+            return Err(AccessError::Revoked);
+        }
+        let word = &mut mem.words[off / 8];
+        let old = *word;
+        match op {
+            AtomicOp::CompareAndSwap { expected, new } => {
+                if old == expected {
+                    *word = new;
+                }
+            }
+            AtomicOp::FetchAndAdd { add } => *word = old.wrapping_add(add),
+        }
+        Ok(old)
+    }
+
+    fn revoke(&self, rkey: u32) {
+        let mut table = self.inner.table.write();
+        if let Some(r) = table.live.remove(&rkey) {
+            self.inner
+                .registered_bytes
+                .fetch_sub(r.len as u64, Ordering::Relaxed);
+            table.revoked.insert(rkey);
+            table.revoked_order.push_back(rkey);
+            if table.revoked_order.len() > REVOKED_MEMORY {
+                if let Some(old) = table.revoked_order.pop_front() {
+                    table.revoked.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// A registered region: the local owner handle.
+///
+/// Dropping it deregisters the region (see [`MemoryRegion::deregister`]).
+pub struct MemoryRegion {
+    inner: Arc<RegionInner>,
+    domain: Weak<DomainInner>,
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.inner.addr))
+            .field("len", &self.inner.len)
+            .field("rkey", &format_args!("{:#010x}", self.inner.rkey))
+            .field("access", &self.inner.access)
+            .finish()
+    }
+}
+
+/// Shared read access to a region's bytes; remote writes wait while it is held.
+pub type RegionReadGuard<'a> = MappedRwLockReadGuard<'a, [u8]>;
+/// Exclusive access to a region's bytes; remote accesses wait while it is held.
+pub type RegionWriteGuard<'a> = MappedRwLockWriteGuard<'a, [u8]>;
+
+impl MemoryRegion {
+    /// The descriptor a peer needs to access the whole region.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.inner.addr,
+            len: self.inner.len as u64,
+            rkey: self.inner.rkey,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// True for a zero-length region.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey
+    }
+
+    /// The access rights given at registration.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// Lock the bytes for reading. Hold it briefly: remote writes wait meanwhile.
+    pub fn read(&self) -> RegionReadGuard<'_> {
+        RwLockReadGuard::map(self.inner.mem.read(), |m| m.bytes())
+    }
+
+    /// Lock the bytes for writing. Hold it briefly: remote accesses wait meanwhile.
+    pub fn write(&self) -> RegionWriteGuard<'_> {
+        RwLockWriteGuard::map(self.inner.mem.write(), |m| m.bytes_mut())
+    }
+
+    /// Read the 8-byte word at `offset` (native byte order, as atomics see it).
+    pub fn load_u64(&self, offset: usize) -> u64 {
+        let b = self.read();
+        u64::from_ne_bytes(b[offset..offset + 8].try_into().expect("8 bytes"))
+    }
+
+    /// Store the 8-byte word at `offset` (native byte order).
+    pub fn store_u64(&self, offset: usize, value: u64) {
+        self.write()[offset..offset + 8].copy_from_slice(&value.to_ne_bytes());
+    }
+
+    /// A local slice `[offset, offset + len)` to use as the source or destination
+    /// of an operation ([`crate::Connection::write_from`], [`crate::Connection::read_into`]).
+    pub fn slice(&self, offset: usize, len: usize) -> Result<LocalSlice> {
+        if offset.checked_add(len).is_none_or(|e| e > self.inner.len) {
+            return Err(Error::LocalAccess(AccessError::OutOfBounds));
+        }
+        Ok(LocalSlice {
+            region: self.inner.clone(),
+            offset,
+            len,
+        })
+    }
+
+    /// Deregister now: revoke the key so no new remote access starts, and wait for
+    /// accesses in progress to finish. The memory itself is freed once no
+    /// [`LocalSlice`] refers to it.
+    pub fn deregister(self) {
+        // Drop does the work.
+    }
+
+    fn revoke_now(&self) {
+        // Mark revoked under the write lock: waits for any access holding the lock.
+        self.inner.mem.write().revoked = true;
+        if let Some(d) = self.domain.upgrade() {
+            Domain { inner: d }.revoke(self.inner.rkey);
+        }
+        tracing::debug!(rkey = format_args!("{:#010x}", self.inner.rkey), "region deregistered");
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        self.revoke_now();
+    }
+}
+
+/// A byte range of a local registered region, owned by an operation until it
+/// completes. Holding it keeps the memory alive (never freed under a transfer).
+#[derive(Clone)]
+pub struct LocalSlice {
+    region: Arc<RegionInner>,
+    offset: usize,
+    len: usize,
+}
+
+impl fmt::Debug for LocalSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalSlice")
+            .field("rkey", &format_args!("{:#010x}", self.region.rkey))
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl LocalSlice {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when zero-length.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copy the slice's bytes out (fails if the region was deregistered).
+    pub fn to_bytes(&self) -> Result<Bytes> {
+        let mem = self.region.mem.read();
+        if mem.revoked {
+            return Err(Error::LocalAccess(AccessError::Revoked));
+        }
+        Ok(Bytes::copy_from_slice(
+            &mem.bytes()[self.offset..self.offset + self.len],
+        ))
+    }
+
+    /// Store `data` (exactly `len` bytes) into the slice.
+    pub fn fill_from(&self, data: &[u8]) -> Result<()> {
+        if data.len() != self.len {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes for a {}-byte slice",
+                data.len(),
+                self.len
+            )));
+        }
+        let mut mem = self.region.mem.write();
+        if mem.revoked {
+            return Err(Error::LocalAccess(AccessError::Revoked));
+        }
+        mem.bytes_mut()[self.offset..self.offset + self.len].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_random_and_unique() {
+        let d = Domain::new();
+        let regions: Vec<_> = (0..64).map(|_| d.register(16, Access::ALL)).collect();
+        let keys: HashSet<u32> = regions.iter().map(|r| r.rkey()).collect();
+        assert_eq!(keys.len(), 64);
+        let sorted: Vec<u32> = regions.iter().map(|r| r.rkey()).collect();
+        // Sequential keys would differ by small constants; random ones almost never do.
+        let seq = sorted.windows(2).filter(|w| w[1].wrapping_sub(w[0]) < 16).count();
+        assert!(seq < 4, "keys look sequential: {sorted:?}");
+    }
+
+    #[test]
+    fn checks_match_rdma_rules() {
+        let d = Domain::new();
+        let mr = d.register(64, Access::REMOTE_READ | Access::REMOTE_ATOMIC);
+        let r = mr.remote();
+        assert_eq!(r.addr % 8, 0);
+        assert_eq!(
+            d.remote_write(r.rkey, r.addr, 1, 0, b"x"),
+            Err(AccessError::Permission)
+        );
+        assert_eq!(
+            d.remote_read(r.rkey ^ 1, r.addr, 1, 0, 1),
+            Err(AccessError::UnknownKey)
+        );
+        assert_eq!(
+            d.remote_read(r.rkey, r.addr + 60, 5, 0, 5),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            d.remote_read(r.rkey, r.addr - 1, 1, 0, 1),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            d.remote_atomic(r.rkey, r.addr + 4, AtomicOp::FetchAndAdd { add: 1 }),
+            Err(AccessError::Misaligned)
+        );
+        assert_eq!(
+            d.remote_atomic(r.rkey, r.addr + 64, AtomicOp::FetchAndAdd { add: 1 }),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            d.remote_atomic(r.rkey, r.addr + 8, AtomicOp::FetchAndAdd { add: 5 }),
+            Ok(0)
+        );
+        assert_eq!(mr.load_u64(8), 5);
+        assert_eq!(
+            d.remote_atomic(
+                r.rkey,
+                r.addr + 8,
+                AtomicOp::CompareAndSwap { expected: 4, new: 9 }
+            ),
+            Ok(5)
+        );
+        assert_eq!(mr.load_u64(8), 5, "failed CAS must not store");
+        let rkey = r.rkey;
+        mr.deregister();
+        assert_eq!(
+            d.remote_read(rkey, r.addr, 1, 0, 1),
+            Err(AccessError::Revoked)
+        );
+        assert_eq!(d.region_count(), 0);
+        assert_eq!(d.registered_bytes(), 0);
+    }
+
+    #[test]
+    fn refused_write_stores_nothing() {
+        let d = Domain::new();
+        let mr = d.register(16, Access::ALL);
+        let r = mr.remote();
+        // Whole op [addr+8, addr+24) is out of bounds even though the first piece fits.
+        assert_eq!(
+            d.remote_write(r.rkey, r.addr + 8, 16, 0, &[1u8; 8]),
+            Err(AccessError::OutOfBounds)
+        );
+        assert!(mr.read().iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn remote_region_codec_and_slices() {
+        let r = RemoteRegion {
+            addr: 0x1122_3344_5566_7788,
+            len: 4096,
+            rkey: 0xdead_beef,
+        };
+        assert_eq!(RemoteRegion::from_bytes(&r.to_bytes()), Some(r));
+        assert_eq!(RemoteRegion::from_bytes(&[0; 19]), None);
+        let s = r.slice(100, 50).unwrap();
+        assert_eq!((s.addr, s.len, s.rkey), (r.addr + 100, 50, r.rkey));
+        assert!(r.slice(4000, 97).is_err());
+        assert!(r.slice(u64::MAX, 2).is_err());
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
+    }
+
+    #[test]
+    fn local_slice_outlives_region_handle_safely() {
+        let d = Domain::new();
+        let mr = d.register_from(b"hello world", Access::ALL);
+        let s = mr.slice(6, 5).unwrap();
+        assert_eq!(&s.to_bytes().unwrap()[..], b"world");
+        drop(mr);
+        assert!(matches!(
+            s.to_bytes(),
+            Err(Error::LocalAccess(AccessError::Revoked))
+        ));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn bounds_check_never_panics(addr_off in -100i64..200, len in 0u64..300, key_ok: bool) {
+            let d = Domain::new();
+            let mr = d.register(128, Access::ALL);
+            let r = mr.remote();
+            let addr = (r.addr as i64 + addr_off) as u64;
+            let key = if key_ok { r.rkey } else { r.rkey.wrapping_add(1) };
+            let res = d.remote_read(key, addr, len, 0, len);
+            let in_bounds = addr_off >= 0 && (addr_off as u64 + len) <= 128;
+            if len == 0 {
+                proptest::prop_assert!(res.is_ok());
+            } else if !key_ok {
+                proptest::prop_assert_eq!(res, Err(AccessError::UnknownKey));
+            } else if in_bounds {
+                proptest::prop_assert_eq!(res.unwrap().len() as u64, len);
+            } else {
+                proptest::prop_assert_eq!(res, Err(AccessError::OutOfBounds));
+            }
+        }
+    }
+}

@@ -1,0 +1,898 @@
+//! One TCP connection: a reader task that serves the peer's requests and
+//! completes ours, and a write path that writes directly when the socket is idle
+//! and batches frames through a writer task under load.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use parking_lot::Mutex;
+use rdmx_core::stats::Stats;
+use rdmx_core::{
+    AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
+    RawConnection, RemoteRegion, Result, Support,
+};
+use tokio::net::TcpStream;
+use tokio::sync::{oneshot, Notify, Semaphore};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::frame::{
+    Header, Kind, OutFrame, FLAG_FAA, FLAG_IMM, FLAG_LAST, HEADER_LEN, MAX_PIECE, STATUS_OK,
+};
+use crate::handshake::{Agreed, Limits};
+
+/// Frames carried by one `writev`.
+const MAX_IOV: usize = 64;
+/// Read bytes one connection may have outstanding. This bounds what the peer
+/// must queue for our read responses, as RDMA bounds outstanding READs
+/// (IBTA 9.5: max_rd_atomic), so no responder needs to stop reading its socket.
+const READ_OUTSTANDING: usize = 64 << 20;
+/// Socket read buffer growth step.
+const READ_CHUNK: usize = 64 << 10;
+/// Largest single read/write operation.
+pub(crate) const MAX_RDMA_SIZE: u64 = 1 << 31;
+
+struct WriteQueue {
+    frames: VecDeque<OutFrame>,
+    /// Someone (a direct writer or the writer task) owns the socket's write side.
+    busy: bool,
+    queued_bytes: usize,
+    closed: bool,
+}
+
+struct Credits {
+    msgs: u64,
+    bytes: u64,
+}
+
+struct RecvState {
+    queue: VecDeque<Incoming>,
+    /// Consumed since the last credit return.
+    consumed_msgs: u64,
+    consumed_bytes: u64,
+    /// What the peer may still send us (to detect a peer overrunning credits).
+    peer_msgs_left: u64,
+    peer_bytes_left: u64,
+}
+
+/// A response to one request.
+struct Resp {
+    status: u8,
+    value: u64,
+    payload: Bytes,
+}
+
+pub(crate) struct Shared {
+    stream: TcpStream,
+    domain: Domain,
+    stats: Arc<Stats>,
+    info: ConnectionInfo,
+    ours: Limits,
+    peer: Limits,
+    busy_poll: Option<Duration>,
+
+    wq: Mutex<WriteQueue>,
+    writer_wake: Notify,
+    write_drained: Notify,
+
+    pending: Mutex<HashMap<u64, oneshot::Sender<Resp>>>,
+    next_id: AtomicU64,
+    inflight: Semaphore,
+    read_budget: Semaphore,
+
+    send_order: tokio::sync::Mutex<()>,
+    credits: Mutex<Credits>,
+    credit_wake: Notify,
+
+    recv: Mutex<RecvState>,
+    recv_wake: Notify,
+
+    closed: Mutex<Option<Error>>,
+}
+
+/// The [`RawConnection`] for TCP. Dropping it tears the connection down.
+pub(crate) struct TcpConnection {
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for TcpConnection {
+    fn drop(&mut self) {
+        self.shared
+            .fail(Error::Disconnected("connection dropped locally".into()));
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+pub(crate) struct Setup {
+    pub(crate) stream: TcpStream,
+    pub(crate) domain: Domain,
+    pub(crate) ours: Limits,
+    pub(crate) agreed: Agreed,
+    pub(crate) max_inflight: u32,
+    pub(crate) busy_poll: Option<Duration>,
+}
+
+pub(crate) fn capabilities(max_message: u64, max_inflight: u32, credits: u32) -> Capabilities {
+    Capabilities {
+        transport: "tcp".into(),
+        rdma: false,
+        send: Support::Native,
+        write: Support::Emulated,
+        read: Support::Emulated,
+        atomics: Support::Emulated,
+        write_with_imm: Support::Emulated,
+        max_message_size: max_message,
+        max_rdma_size: MAX_RDMA_SIZE,
+        max_inflight,
+        recv_credits: credits,
+    }
+}
+
+impl TcpConnection {
+    pub(crate) fn start(s: Setup) -> TcpConnection {
+        let local_addr = s.stream.local_addr().ok();
+        let peer_addr = s.stream.peer_addr().ok();
+        let info = ConnectionInfo {
+            transport: "tcp".into(),
+            provider: "kernel-tcp".into(),
+            fallback_reason: None,
+            local_addr,
+            peer_addr,
+            capabilities: capabilities(
+                s.agreed.peer.max_message,
+                s.max_inflight,
+                s.agreed.peer.credits,
+            ),
+            authenticated: s.agreed.authenticated,
+        };
+        let stats = rdmx_core::stats::new_stats();
+        stats.add(|s| &s.connections, 1);
+        let peer = s.agreed.peer;
+        let shared = Arc::new(Shared {
+            stream: s.stream,
+            domain: s.domain,
+            stats,
+            info,
+            ours: s.ours,
+            peer,
+            busy_poll: s.busy_poll,
+            wq: Mutex::new(WriteQueue {
+                frames: VecDeque::new(),
+                busy: false,
+                queued_bytes: 0,
+                closed: false,
+            }),
+            writer_wake: Notify::new(),
+            write_drained: Notify::new(),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            inflight: Semaphore::new(s.max_inflight as usize),
+            read_budget: Semaphore::new(READ_OUTSTANDING),
+            send_order: tokio::sync::Mutex::new(()),
+            credits: Mutex::new(Credits {
+                msgs: u64::from(peer.credits),
+                bytes: peer.window,
+            }),
+            credit_wake: Notify::new(),
+            recv: Mutex::new(RecvState {
+                queue: VecDeque::new(),
+                consumed_msgs: 0,
+                consumed_bytes: 0,
+                peer_msgs_left: u64::from(s.ours.credits),
+                peer_bytes_left: s.ours.window,
+            }),
+            recv_wake: Notify::new(),
+            closed: Mutex::new(None),
+        });
+        let span = tracing::info_span!(
+            "rdmx.conn",
+            transport = "tcp",
+            local = ?local_addr,
+            peer = ?peer_addr
+        );
+        tracing::debug!(parent: &span, "connection established");
+        let reader = tokio::spawn(shared.clone().reader().instrument(span.clone()));
+        let writer = tokio::spawn(shared.clone().writer().instrument(span));
+        TcpConnection {
+            shared,
+            tasks: vec![reader, writer],
+        }
+    }
+}
+
+impl Shared {
+    fn closed_error(&self) -> Option<Error> {
+        self.closed.lock().clone()
+    }
+
+    /// Mark the connection dead with `err` (first error wins), fail everything
+    /// waiting, and shut the socket so the peer notices at once.
+    fn fail(&self, err: Error) {
+        {
+            let mut c = self.closed.lock();
+            if c.is_some() {
+                return;
+            }
+            tracing::debug!(error = %err, "connection closed");
+            *c = Some(err);
+        }
+        self.wq.lock().closed = true;
+        // Dropping the senders wakes every waiting operation with the close error.
+        self.pending.lock().clear();
+        self.credit_wake.notify_waiters();
+        self.recv_wake.notify_waiters();
+        self.writer_wake.notify_one();
+        self.write_drained.notify_waiters();
+        let _ = socket2::SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
+    }
+
+    fn disconnected(&self) -> Error {
+        self.closed_error()
+            .unwrap_or_else(|| Error::Disconnected("connection closed".into()))
+    }
+
+    // ---------------------------------------------------------------- writing
+
+    /// Queue a frame; writes it at once if nobody else is writing.
+    /// A frame once queued goes out whole, even if the caller is dropped.
+    fn enqueue(&self, frame: OutFrame) -> Result<()> {
+        {
+            let mut q = self.wq.lock();
+            if q.closed {
+                drop(q);
+                return Err(self.disconnected());
+            }
+            if q.busy {
+                q.queued_bytes += frame.remaining();
+                q.frames.push_back(frame);
+                return Ok(());
+            }
+            q.busy = true;
+        }
+        let mut one = VecDeque::from([frame]);
+        match write_some(&self.stream, &mut one) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => {
+                self.fail(Error::Disconnected(format!("write failed: {e}")));
+                return Ok(());
+            }
+        }
+        let mut q = self.wq.lock();
+        if let Some(rest) = one.pop_front() {
+            // Partial write: the remainder must go first; the writer task takes over.
+            q.queued_bytes += rest.remaining();
+            q.frames.push_front(rest);
+        }
+        if q.frames.is_empty() {
+            q.busy = false;
+        } else {
+            drop(q);
+            self.writer_wake.notify_one();
+        }
+        Ok(())
+    }
+
+    async fn writer(self: Arc<Self>) {
+        let mut batch: VecDeque<OutFrame> = VecDeque::new();
+        loop {
+            self.writer_wake.notified().await;
+            loop {
+                {
+                    let mut q = self.wq.lock();
+                    if q.closed {
+                        return;
+                    }
+                    while batch.len() < MAX_IOV {
+                        match q.frames.pop_front() {
+                            Some(f) => {
+                                q.queued_bytes -= f.remaining();
+                                batch.push_back(f);
+                            }
+                            None => break,
+                        }
+                    }
+                    if batch.is_empty() {
+                        q.busy = false;
+                        drop(q);
+                        self.write_drained.notify_waiters();
+                        break;
+                    }
+                }
+                self.write_drained.notify_waiters();
+                while !batch.is_empty() {
+                    match write_some(&self.stream, &mut batch) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            if let Err(e) = self.stream.writable().await {
+                                self.fail(Error::Disconnected(format!("write failed: {e}")));
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            self.fail(Error::Disconnected(format!("write failed: {e}")));
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait until everything queued is on the socket (used by graceful close).
+    async fn flush(&self) {
+        loop {
+            let notified = self.write_drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let q = self.wq.lock();
+                if q.closed || (!q.busy && q.frames.is_empty()) {
+                    return;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    // ---------------------------------------------------------------- reading
+
+    async fn read_more(&self, buf: &mut BytesMut) -> io::Result<()> {
+        let mut spin_start: Option<Instant> = None;
+        loop {
+            if buf.capacity() - buf.len() < READ_CHUNK {
+                buf.reserve(READ_CHUNK);
+            }
+            match self.stream.try_read_buf(buf) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(budget) = self.busy_poll {
+                        let start = *spin_start.get_or_insert_with(Instant::now);
+                        if start.elapsed() < budget {
+                            tokio::task::yield_now().await;
+                            continue;
+                        }
+                    }
+                    self.stream.readable().await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn reader(self: Arc<Self>) {
+        let err = match self.read_loop().await {
+            Ok(()) => Error::Disconnected("peer closed the connection".into()),
+            Err(e) => e,
+        };
+        self.fail(err);
+    }
+
+    async fn read_loop(&self) -> Result<()> {
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        loop {
+            while buf.len() < HEADER_LEN {
+                if let Err(e) = self.read_more(&mut buf).await {
+                    return read_error(e);
+                }
+            }
+            let h = Header::decode(&buf[..HEADER_LEN], self.ours.max_message)
+                .map_err(|e| Error::Protocol(e.to_string()))?;
+            let total = HEADER_LEN + h.payload_len as usize;
+            if buf.len() < total {
+                buf.reserve(total - buf.len());
+                while buf.len() < total {
+                    if let Err(e) = self.read_more(&mut buf).await {
+                        return read_error(e);
+                    }
+                }
+            }
+            let mut frame = buf.split_to(total);
+            frame.advance(HEADER_LEN);
+            let payload = frame.freeze();
+            if !self.handle(h, payload).await? {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Act on one frame. Returns false when the peer closed gracefully.
+    async fn handle(&self, h: Header, payload: Bytes) -> Result<bool> {
+        match h.kind {
+            Kind::Send => {
+                let len = payload.len() as u64;
+                self.stats.add(|s| &s.bytes_received, len);
+                self.deliver(Incoming::Message(payload), len)?;
+            }
+            Kind::Credit => {
+                let mut c = self.credits.lock();
+                c.msgs += h.a;
+                c.bytes += h.b;
+                drop(c);
+                self.credit_wake.notify_waiters();
+            }
+            Kind::Write => {
+                self.stats.add(|s| &s.bytes_received, payload.len() as u64);
+                let res = self
+                    .domain
+                    .remote_write(h.rkey, h.addr, h.a, h.b, &payload);
+                if res.is_ok() && h.flags & FLAG_IMM != 0 && h.flags & FLAG_LAST != 0 {
+                    self.deliver(Incoming::WriteImm { imm: h.imm, len: h.a }, 0)?;
+                }
+                self.respond(h.id, res.map(|()| (0, Bytes::new())))?;
+            }
+            Kind::Read => {
+                let res = self
+                    .domain
+                    .remote_read(h.rkey, h.addr, h.a, h.b, u64::from(h.imm));
+                if let Ok(b) = &res {
+                    self.stats.add(|s| &s.bytes_sent, b.len() as u64);
+                }
+                self.respond(h.id, res.map(|b| (0, b)))?;
+            }
+            Kind::Atomic => {
+                let op = if h.flags & FLAG_FAA != 0 {
+                    AtomicOp::FetchAndAdd { add: h.a }
+                } else {
+                    AtomicOp::CompareAndSwap {
+                        expected: h.a,
+                        new: h.b,
+                    }
+                };
+                let res = self.domain.remote_atomic(h.rkey, h.addr, op);
+                self.respond(h.id, res.map(|v| (v, Bytes::new())))?;
+            }
+            Kind::Resp => {
+                self.stats.add(|s| &s.bytes_received, payload.len() as u64);
+                // A response whose operation was dropped finds no waiter: discarded.
+                if let Some(tx) = self.pending.lock().remove(&h.id) {
+                    let _ = tx.send(Resp {
+                        status: h.status,
+                        value: h.a,
+                        payload,
+                    });
+                }
+            }
+            Kind::Close => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Queue an incoming message or notice for `recv`, charging the peer's credits.
+    fn deliver(&self, item: Incoming, len: u64) -> Result<()> {
+        let mut r = self.recv.lock();
+        if r.peer_msgs_left == 0 || r.peer_bytes_left < len {
+            return Err(Error::Protocol(
+                "peer sent beyond its receive credits".into(),
+            ));
+        }
+        r.peer_msgs_left -= 1;
+        r.peer_bytes_left -= len;
+        r.queue.push_back(item);
+        drop(r);
+        self.recv_wake.notify_one();
+        Ok(())
+    }
+
+    fn respond(&self, id: u64, res: std::result::Result<(u64, Bytes), AccessError>) -> Result<()> {
+        let mut h = Header::new(Kind::Resp);
+        h.id = id;
+        let payload = match res {
+            Ok((value, payload)) => {
+                self.stats.add(|s| &s.remote_ops_served, 1);
+                h.a = value;
+                payload
+            }
+            Err(e) => {
+                self.stats.add(|s| &s.remote_access_denied, 1);
+                tracing::debug!(error = %e, "refused remote access");
+                h.status = e.code();
+                Bytes::new()
+            }
+        };
+        self.enqueue(OutFrame::new(h, payload))
+    }
+
+    // ------------------------------------------------------------- requesting
+
+    /// Send a request frame and wait for its response.
+    async fn request(self: &Arc<Self>, mut h: Header, payload: Bytes) -> Result<Resp> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        h.id = id;
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        // Removes the waiter if this future is dropped before the response.
+        let _guard = PendingGuard { shared: self, id };
+        if let Some(e) = self.closed_error() {
+            return Err(e);
+        }
+        self.stats.add(|s| &s.bytes_sent, payload.len() as u64);
+        self.enqueue(OutFrame::new(h, payload))?;
+        rx.await.map_err(|_| self.disconnected())
+    }
+
+    async fn read(self: Arc<Self>, src: RemoteRegion) -> Result<Bytes> {
+        check_rdma_len(src.len)?;
+        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        let pieces = pieces(src.len);
+        if pieces.len() == 1 {
+            return self.read_piece(src, 0, src.len).await;
+        }
+        let futs: Vec<_> = pieces
+            .into_iter()
+            .map(|(off, len)| self.read_piece(src, off, len))
+            .collect();
+        let mut out = BytesMut::with_capacity(src.len as usize);
+        for part in join_all(futs).await {
+            out.extend_from_slice(&part?);
+        }
+        Ok(out.freeze())
+    }
+
+    async fn read_piece(self: &Arc<Self>, src: RemoteRegion, off: u64, len: u64) -> Result<Bytes> {
+        let _budget = self
+            .read_budget
+            .acquire_many(len.max(1) as u32)
+            .await
+            .map_err(|_| self.disconnected())?;
+        let mut h = Header::new(Kind::Read);
+        h.addr = src.addr;
+        h.rkey = src.rkey;
+        h.a = src.len;
+        h.b = off;
+        h.imm = len as u32;
+        let r = self.request(h, Bytes::new()).await?;
+        status(r.status)?;
+        if r.payload.len() as u64 != len {
+            let e = Error::Protocol(format!(
+                "read response of {} bytes for a {len}-byte piece",
+                r.payload.len()
+            ));
+            self.fail(e.clone());
+            return Err(e);
+        }
+        Ok(r.payload)
+    }
+
+    async fn write(self: Arc<Self>, dst: RemoteRegion, data: Bytes, imm: Option<u32>) -> Result<()> {
+        check_rdma_len(dst.len)?;
+        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        if imm.is_some() {
+            // A write-with-immediate consumes one of the peer's receive credits.
+            let _order = self.send_order.lock().await;
+            self.take_credit(0).await?;
+        }
+        let pieces = pieces(dst.len);
+        let last = pieces.len() - 1;
+        let futs: Vec<_> = pieces
+            .into_iter()
+            .enumerate()
+            .map(|(i, (off, len))| {
+                let mut h = Header::new(Kind::Write);
+                h.addr = dst.addr;
+                h.rkey = dst.rkey;
+                h.a = dst.len;
+                h.b = off;
+                if i == last {
+                    h.flags |= FLAG_LAST;
+                    if let Some(v) = imm {
+                        h.flags |= FLAG_IMM;
+                        h.imm = v;
+                    }
+                }
+                let piece = data.slice(off as usize..(off + len) as usize);
+                let this = self.clone();
+                async move { status(this.request(h, piece).await?.status) }
+            })
+            .collect();
+        for r in join_all(futs).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn atomic(self: Arc<Self>, dst: RemoteRegion, op: AtomicOp) -> Result<u64> {
+        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        let mut h = Header::new(Kind::Atomic);
+        h.addr = dst.addr;
+        h.rkey = dst.rkey;
+        match op {
+            AtomicOp::CompareAndSwap { expected, new } => {
+                h.a = expected;
+                h.b = new;
+            }
+            AtomicOp::FetchAndAdd { add } => {
+                h.flags = FLAG_FAA;
+                h.a = add;
+            }
+        }
+        let r = self.request(h, Bytes::new()).await?;
+        status(r.status)?;
+        Ok(r.value)
+    }
+
+    // --------------------------------------------------------------- two-sided
+
+    /// Take one message credit and `bytes` of window, waiting while there are none.
+    async fn take_credit(&self, bytes: u64) -> Result<()> {
+        let mut stalled = false;
+        loop {
+            let notified = self.credit_wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(e) = self.closed_error() {
+                return Err(e);
+            }
+            {
+                let mut c = self.credits.lock();
+                if c.msgs >= 1 && c.bytes >= bytes {
+                    c.msgs -= 1;
+                    c.bytes -= bytes;
+                    return Ok(());
+                }
+            }
+            if !stalled {
+                stalled = true;
+                self.stats.add(|s| &s.credit_stalls, 1);
+                tracing::trace!("send stalled: peer has no receive credits");
+            }
+            notified.await;
+        }
+    }
+
+    async fn send(self: Arc<Self>, msg: Bytes) -> Result<()> {
+        let len = msg.len() as u64;
+        if len > self.peer.max_message {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {len} bytes exceeds the peer's limit of {}",
+                self.peer.max_message
+            )));
+        }
+        // FIFO among concurrent senders; dropping while waiting sends nothing.
+        let _order = self.send_order.lock().await;
+        self.take_credit(len).await?;
+        self.stats.add(|s| &s.bytes_sent, len);
+        self.enqueue(OutFrame::new(Header::new(Kind::Send), msg))
+    }
+
+    async fn recv(self: Arc<Self>) -> Result<Incoming> {
+        loop {
+            let notified = self.recv_wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let credit_frame = {
+                let mut r = self.recv.lock();
+                match r.queue.pop_front() {
+                    Some(item) => {
+                        let len = match &item {
+                            Incoming::Message(b) => b.len() as u64,
+                            Incoming::WriteImm { .. } => 0,
+                        };
+                        r.consumed_msgs += 1;
+                        r.consumed_bytes += len;
+                        // Return credits in batches of a quarter window (see
+                        // Limits::from_options for why this cannot deadlock).
+                        let grant = r.consumed_msgs >= u64::from(self.ours.credits / 4)
+                            || r.consumed_bytes >= self.ours.window / 4;
+                        let frame = grant.then(|| {
+                            let mut h = Header::new(Kind::Credit);
+                            h.a = r.consumed_msgs;
+                            h.b = r.consumed_bytes;
+                            r.peer_msgs_left += r.consumed_msgs;
+                            r.peer_bytes_left += r.consumed_bytes;
+                            r.consumed_msgs = 0;
+                            r.consumed_bytes = 0;
+                            h
+                        });
+                        Some((item, frame))
+                    }
+                    None => None,
+                }
+            };
+            match credit_frame {
+                Some((item, frame)) => {
+                    if let Some(h) = frame {
+                        // Best effort: if the connection died, the next call says so.
+                        let _ = self.enqueue(OutFrame::new(h, Bytes::new()));
+                    }
+                    return Ok(item);
+                }
+                None => {
+                    if let Some(e) = self.closed_error() {
+                        return Err(e);
+                    }
+                }
+            }
+            notified.await;
+        }
+    }
+
+    async fn close(self: Arc<Self>) -> Result<()> {
+        if self.closed_error().is_some() {
+            return Ok(());
+        }
+        self.enqueue(OutFrame::new(Header::new(Kind::Close), Bytes::new()))?;
+        self.flush().await;
+        self.fail(Error::Disconnected("connection closed locally".into()));
+        Ok(())
+    }
+}
+
+struct PendingGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.pending.lock().remove(&self.id);
+    }
+}
+
+fn read_error(e: io::Error) -> Result<()> {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        Ok(())
+    } else {
+        Err(Error::Disconnected(format!("read failed: {e}")))
+    }
+}
+
+fn status(code: u8) -> Result<()> {
+    if code == STATUS_OK {
+        return Ok(());
+    }
+    Err(match AccessError::from_code(code) {
+        Some(a) => Error::RemoteAccess(a),
+        None => Error::Protocol(format!("unknown response status {code}")),
+    })
+}
+
+fn check_rdma_len(len: u64) -> Result<()> {
+    if len > MAX_RDMA_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "one-sided operation of {len} bytes exceeds the limit of {MAX_RDMA_SIZE}"
+        )));
+    }
+    Ok(())
+}
+
+/// Split an operation into (offset, len) pieces of at most [`MAX_PIECE`] bytes.
+fn pieces(len: u64) -> Vec<(u64, u64)> {
+    if len == 0 {
+        return vec![(0, 0)];
+    }
+    (0..len.div_ceil(MAX_PIECE))
+        .map(|i| {
+            let off = i * MAX_PIECE;
+            (off, MAX_PIECE.min(len - off))
+        })
+        .collect()
+}
+
+/// Await all futures concurrently, keeping their order.
+async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    use std::pin::Pin;
+    use std::task::Poll;
+    let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in futs.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *slot = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|v| v.expect("all ready")).collect()
+}
+
+/// Write as much of `frames` as the socket takes without blocking; fully
+/// written frames are removed, a partly written one is advanced.
+fn write_some(stream: &TcpStream, frames: &mut VecDeque<OutFrame>) -> io::Result<()> {
+    while !frames.is_empty() {
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(frames.len().min(MAX_IOV) * 2);
+        for f in frames.iter().take(MAX_IOV) {
+            if f.hdr_pos < HEADER_LEN {
+                iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
+            }
+            if !f.payload.is_empty() {
+                iov.push(IoSlice::new(&f.payload));
+            }
+        }
+        let mut n = stream.try_write_vectored(&iov)?;
+        drop(iov);
+        while n > 0 {
+            let f = frames.front_mut().expect("written bytes belong to a frame");
+            let h = (HEADER_LEN - f.hdr_pos).min(n);
+            f.hdr_pos += h;
+            n -= h;
+            let p = f.payload.len().min(n);
+            f.payload.advance(p);
+            n -= p;
+            if f.remaining() == 0 {
+                frames.pop_front();
+            }
+        }
+        // Drop frames that are fully written (zero-payload frames after the header).
+        while frames.front().is_some_and(|f| f.remaining() == 0) {
+            frames.pop_front();
+        }
+    }
+    Ok(())
+}
+
+impl RawConnection for TcpConnection {
+    fn info(&self) -> ConnectionInfo {
+        self.shared.info.clone()
+    }
+
+    fn stats(&self) -> &Arc<Stats> {
+        &self.shared.stats
+    }
+
+    fn domain(&self) -> &Domain {
+        &self.shared.domain
+    }
+
+    fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().send(msg))
+    }
+
+    fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {
+        Box::pin(self.shared.clone().recv())
+    }
+
+    fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
+        Box::pin(self.shared.clone().read(src))
+    }
+
+    fn write(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        imm: Option<u32>,
+    ) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().write(dst, data, imm))
+    }
+
+    fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>> {
+        Box::pin(self.shared.clone().atomic(dst, op))
+    }
+
+    fn close(&self) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().close())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_exactly() {
+        assert_eq!(pieces(0), vec![(0, 0)]);
+        assert_eq!(pieces(5), vec![(0, 5)]);
+        let p = pieces(2 * MAX_PIECE + 3);
+        assert_eq!(
+            p,
+            vec![(0, MAX_PIECE), (MAX_PIECE, MAX_PIECE), (2 * MAX_PIECE, 3)]
+        );
+    }
+}

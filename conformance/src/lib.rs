@@ -138,7 +138,18 @@ impl Suite {
     pub async fn message_order_and_boundaries(&self) {
         let p = self.pair().await;
         let sizes = [
-            0usize, 1, 7, 8, 63, 4095, 4096, 4097, 65_537, 1 << 20, 3 << 20, 16 << 20,
+            0usize,
+            1,
+            7,
+            8,
+            63,
+            4095,
+            4096,
+            4097,
+            65_537,
+            1 << 20,
+            3 << 20,
+            16 << 20,
         ];
         let sender = {
             let c = p.client.clone();
@@ -241,7 +252,10 @@ impl Suite {
         let d = &p.server_opts.domain;
         let ro = d.register_from(&pattern(1, 256), Access::REMOTE_READ);
         let wo = d.register(256, Access::REMOTE_WRITE);
-        let rw = d.register(256, Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC);
+        let rw = d.register(
+            256,
+            Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+        );
         let c = &p.client;
         let before = (sha(&ro.read()), sha(&wo.read()), sha(&rw.read()));
 
@@ -249,39 +263,100 @@ impl Suite {
             rkey: ro.rkey() ^ 0x5a5a_5a5a,
             ..ro.remote()
         };
-        assert_eq!(denied(c.read(bogus.slice(0, 8).unwrap()).await), AccessError::UnknownKey);
-        assert_eq!(denied(c.write(vec![1; 8], bogus.slice(0, 8).unwrap()).await), AccessError::UnknownKey);
-        assert_eq!(denied(c.fetch_and_add(bogus.word(0).unwrap(), 1).await), AccessError::UnknownKey);
-
-        let past = RemoteRegion { len: 257, ..rw.remote() };
-        assert_eq!(denied(c.read(past).await), AccessError::OutOfBounds);
-        assert_eq!(denied(c.write(vec![9; 257], past).await), AccessError::OutOfBounds);
-        let before_start = RemoteRegion { addr: rw.remote().addr - 8, len: 8, ..rw.remote() };
-        assert_eq!(denied(c.read(before_start).await), AccessError::OutOfBounds);
-        let beyond = RemoteRegion { addr: rw.remote().addr + 256, len: 8, ..rw.remote() };
-        assert_eq!(denied(c.fetch_and_add(beyond, 1).await), AccessError::OutOfBounds);
         assert_eq!(
-            denied(c.compare_and_swap(RemoteRegion { addr: rw.remote().addr + 4, len: 8, ..rw.remote() }, 0, 1).await),
+            denied(c.read(bogus.slice(0, 8).unwrap()).await),
+            AccessError::UnknownKey
+        );
+        assert_eq!(
+            denied(c.write(vec![1; 8], bogus.slice(0, 8).unwrap()).await),
+            AccessError::UnknownKey
+        );
+        assert_eq!(
+            denied(c.fetch_and_add(bogus.word(0).unwrap(), 1).await),
+            AccessError::UnknownKey
+        );
+
+        let past = RemoteRegion {
+            len: 257,
+            ..rw.remote()
+        };
+        assert_eq!(denied(c.read(past).await), AccessError::OutOfBounds);
+        assert_eq!(
+            denied(c.write(vec![9; 257], past).await),
+            AccessError::OutOfBounds
+        );
+        let before_start = RemoteRegion {
+            addr: rw.remote().addr - 8,
+            len: 8,
+            ..rw.remote()
+        };
+        assert_eq!(denied(c.read(before_start).await), AccessError::OutOfBounds);
+        let beyond = RemoteRegion {
+            addr: rw.remote().addr + 256,
+            len: 8,
+            ..rw.remote()
+        };
+        assert_eq!(
+            denied(c.fetch_and_add(beyond, 1).await),
+            AccessError::OutOfBounds
+        );
+        assert_eq!(
+            denied(
+                c.compare_and_swap(
+                    RemoteRegion {
+                        addr: rw.remote().addr + 4,
+                        len: 8,
+                        ..rw.remote()
+                    },
+                    0,
+                    1
+                )
+                .await
+            ),
             AccessError::Misaligned
         );
 
-        assert_eq!(denied(c.write(vec![1; 8], ro.remote().slice(0, 8).unwrap()).await), AccessError::Permission);
-        assert_eq!(denied(c.fetch_and_add(ro.remote().word(0).unwrap(), 1).await), AccessError::Permission);
-        assert_eq!(denied(c.read(wo.remote().slice(0, 8).unwrap()).await), AccessError::Permission);
-        assert_eq!(denied(c.compare_and_swap(wo.remote().word(8).unwrap(), 0, 1).await), AccessError::Permission);
+        assert_eq!(
+            denied(c.write(vec![1; 8], ro.remote().slice(0, 8).unwrap()).await),
+            AccessError::Permission
+        );
+        assert_eq!(
+            denied(c.fetch_and_add(ro.remote().word(0).unwrap(), 1).await),
+            AccessError::Permission
+        );
+        assert_eq!(
+            denied(c.read(wo.remote().slice(0, 8).unwrap()).await),
+            AccessError::Permission
+        );
+        assert_eq!(
+            denied(c.compare_and_swap(wo.remote().word(8).unwrap(), 0, 1).await),
+            AccessError::Permission
+        );
 
-        assert_eq!((sha(&ro.read()), sha(&wo.read()), sha(&rw.read())), before, "a refused access stored data");
+        assert_eq!(
+            (sha(&ro.read()), sha(&wo.read()), sha(&rw.read())),
+            before,
+            "a refused access stored data"
+        );
 
         let gone = d.register(64, Access::ALL);
         let gone_r = gone.remote();
         c.write(vec![3; 64], gone_r).await.unwrap();
         gone.deregister();
         assert_eq!(denied(c.read(gone_r).await), AccessError::Revoked);
-        assert_eq!(denied(c.write(vec![4; 64], gone_r).await), AccessError::Revoked);
-        assert_eq!(denied(c.fetch_and_add(gone_r.word(0).unwrap(), 1).await), AccessError::Revoked);
+        assert_eq!(
+            denied(c.write(vec![4; 64], gone_r).await),
+            AccessError::Revoked
+        );
+        assert_eq!(
+            denied(c.fetch_and_add(gone_r.word(0).unwrap(), 1).await),
+            AccessError::Revoked
+        );
 
         // Still usable afterwards, in both directions.
-        c.write(vec![7; 16], rw.remote().slice(16, 16).unwrap()).await.unwrap();
+        c.write(vec![7; 16], rw.remote().slice(16, 16).unwrap())
+            .await
+            .unwrap();
         assert_eq!(&rw.read()[16..32], &[7u8; 16]);
         p.server.send(&b"ok"[..]).await.unwrap();
         assert_eq!(&c.recv_message().await.unwrap()[..], b"ok");
@@ -320,9 +395,17 @@ impl Suite {
                         while c.compare_and_swap(lock, 0, me).await.unwrap() != 0 {
                             tokio::task::yield_now().await;
                         }
-                        let v = u64::from_ne_bytes(c.read(guarded).await.unwrap()[..].try_into().unwrap());
-                        c.write((v + 1).to_ne_bytes().to_vec(), guarded).await.unwrap();
-                        assert_eq!(c.compare_and_swap(lock, me, 0).await.unwrap(), me, "lock stolen");
+                        let v = u64::from_ne_bytes(
+                            c.read(guarded).await.unwrap()[..].try_into().unwrap(),
+                        );
+                        c.write((v + 1).to_ne_bytes().to_vec(), guarded)
+                            .await
+                            .unwrap();
+                        assert_eq!(
+                            c.compare_and_swap(lock, me, 0).await.unwrap(),
+                            me,
+                            "lock stolen"
+                        );
                     }
                     olds
                 }));
@@ -341,7 +424,13 @@ impl Suite {
         assert_eq!(mr.load_u64(16), total, "CAS lock lost an update");
         // Wrapping add.
         mr.store_u64(24, u64::MAX);
-        assert_eq!(p.client.fetch_and_add(r.word(24).unwrap(), 2).await.unwrap(), u64::MAX);
+        assert_eq!(
+            p.client
+                .fetch_and_add(r.word(24).unwrap(), 2)
+                .await
+                .unwrap(),
+            u64::MAX
+        );
         assert_eq!(mr.load_u64(24), 1);
     }
 
@@ -350,18 +439,32 @@ impl Suite {
         const LEN: usize = 256 << 20;
         const OP: usize = 16 << 20;
         let p = self.pair().await;
-        let mr = p.server_opts.domain.register(LEN, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let mr = p
+            .server_opts
+            .domain
+            .register(LEN, Access::REMOTE_READ | Access::REMOTE_WRITE);
         let r = mr.remote();
         let data = Bytes::from(pattern(256, LEN));
         let want = sha(&data);
         let mut ops = FuturesUnordered::new();
         for off in (0..LEN).step_by(OP) {
-            ops.push(p.client.write(data.slice(off..off + OP), r.slice(off as u64, OP as u64).unwrap()).into_future());
+            ops.push(
+                p.client
+                    .write(
+                        data.slice(off..off + OP),
+                        r.slice(off as u64, OP as u64).unwrap(),
+                    )
+                    .into_future(),
+            );
         }
         while let Some(res) = ops.next().await {
             res.unwrap();
         }
-        assert_eq!(sha(&mr.read()), want, "remote region after 256 MiB of writes");
+        assert_eq!(
+            sha(&mr.read()),
+            want,
+            "remote region after 256 MiB of writes"
+        );
         mr.write()[..8].copy_from_slice(b"modified");
         let mut back = vec![0u8; LEN];
         let mut ops = FuturesUnordered::new();
@@ -378,7 +481,10 @@ impl Suite {
         // One single 64 MiB operation each way, too.
         let one = r.slice(0, 64 << 20).unwrap();
         p.client.write(data.slice(0..64 << 20), one).await.unwrap();
-        assert_eq!(sha(&p.client.read(one).await.unwrap()), sha(&data[..64 << 20]));
+        assert_eq!(
+            sha(&p.client.read(one).await.unwrap()),
+            sha(&data[..64 << 20])
+        );
     }
 
     /// Over 1,000 operations in flight at once on one connection, all correct.
@@ -417,7 +523,13 @@ impl Suite {
     /// Killing the peer mid-transfer fails in-flight and later operations with
     /// `Disconnected` well within the deadline; nothing hangs.
     pub async fn peer_killed_mid_transfer(&self) {
-        let Pair { client, server, server_opts, listener, .. } = self.pair().await;
+        let Pair {
+            client,
+            server,
+            server_opts,
+            listener,
+            ..
+        } = self.pair().await;
         let mr = server_opts.domain.register(64 << 20, Access::ALL);
         let r = mr.remote();
         let data = Bytes::from(pattern(9, 4 << 20));
@@ -448,7 +560,11 @@ impl Suite {
         let after = client.read(r.slice(0, 8).unwrap()).await;
         assert!(matches!(after, Err(Error::Disconnected(_))), "{after:?}");
         assert!(matches!(recv.await.unwrap(), Err(Error::Disconnected(_))));
-        assert!(started.elapsed() < client.op_timeout() / 2, "took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < client.op_timeout() / 2,
+            "took {:?}",
+            started.elapsed()
+        );
         assert!(failed > 0 || client.stats().writes == 64);
     }
 
@@ -464,8 +580,14 @@ impl Suite {
             let dst = r.slice(0, size as u64).unwrap();
             // Poll each once (it starts), then drop it.
             let w = p.client.write(pattern(i, size), dst).into_future();
-            let rd = p.client.read_into(dst, local.slice(0, size).unwrap()).into_future();
-            let f = p.client.fetch_and_add(r.word((1 << 20) - 8).unwrap(), 1).into_future();
+            let rd = p
+                .client
+                .read_into(dst, local.slice(0, size).unwrap())
+                .into_future();
+            let f = p
+                .client
+                .fetch_and_add(r.word((1 << 20) - 8).unwrap(), 1)
+                .into_future();
             let s = p.client.send(pattern(i, 100)).into_future();
             let mut all = Box::pin(async move { tokio::join!(w, rd, f, s) });
             poll_once(all.as_mut()).await;
@@ -477,7 +599,10 @@ impl Suite {
         // A dropped read_into must never land in the local slice later.
         local.write().fill(0xAB);
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(local.read().iter().all(|&b| b == 0xAB), "a dropped read wrote local memory");
+        assert!(
+            local.read().iter().all(|&b| b == 0xAB),
+            "a dropped read wrote local memory"
+        );
         // Everything still exact afterwards.
         for i in 0..20u64 {
             let size = 4096 * (i as usize + 1);
@@ -485,7 +610,10 @@ impl Suite {
             let want = pattern(1000 + i, size);
             p.client.write(want.clone(), dst).await.unwrap();
             assert_eq!(&p.client.read(dst).await.unwrap()[..], &want[..]);
-            assert_eq!(&mr.read()[(i * 512) as usize..(i * 512) as usize + size], &want[..]);
+            assert_eq!(
+                &mr.read()[(i * 512) as usize..(i * 512) as usize + size],
+                &want[..]
+            );
         }
         // Messages that were sent arrived whole and in order; a marker follows them.
         p.client.send(&b"END"[..]).await.unwrap();
@@ -495,7 +623,9 @@ impl Suite {
             if &m[..] == b"END" {
                 break;
             }
-            let i = (0..200u64).find(|&i| pattern(i, 100) == m[..]).expect("a torn or unknown message");
+            let i = (0..200u64)
+                .find(|&i| pattern(i, 100) == m[..])
+                .expect("a torn or unknown message");
             assert!(prev.is_none_or(|p| i > p), "messages out of order");
             prev = Some(i);
         }
@@ -515,7 +645,11 @@ impl Suite {
         for i in 0..8u64 {
             p.client.send(pattern(i, 1000)).await.unwrap();
         }
-        let stalled = p.client.send(pattern(8, 1000)).timeout(Duration::from_millis(300)).await;
+        let stalled = p
+            .client
+            .send(pattern(8, 1000))
+            .timeout(Duration::from_millis(300))
+            .await;
         assert!(matches!(stalled, Err(Error::TimedOut(_))), "{stalled:?}");
         assert!(p.client.stats().credit_stalls >= 1);
         // The byte window stalls too: 4 × 256 KiB exceed 1 MiB minus what is queued.
@@ -523,15 +657,25 @@ impl Suite {
             let c = p.client.clone();
             tokio::spawn(async move {
                 for i in 8..40u64 {
-                    c.send(pattern(i, if i % 2 == 0 { 1000 } else { 200 << 10 })).await.unwrap();
+                    c.send(pattern(i, if i % 2 == 0 { 1000 } else { 200 << 10 }))
+                        .await
+                        .unwrap();
                 }
             })
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!sender.is_finished(), "sender must wait for credits");
         for i in 0..40u64 {
-            let want = if i < 8 || i % 2 == 0 { pattern(i, 1000) } else { pattern(i, 200 << 10) };
-            assert_eq!(&p.server.recv_message().await.unwrap()[..], &want[..], "message {i}");
+            let want = if i < 8 || i % 2 == 0 {
+                pattern(i, 1000)
+            } else {
+                pattern(i, 200 << 10)
+            };
+            assert_eq!(
+                &p.server.recv_message().await.unwrap()[..],
+                &want[..],
+                "message {i}"
+            );
         }
         sender.await.unwrap();
     }
@@ -543,7 +687,14 @@ impl Suite {
         let r = mr.remote();
         for (i, len) in [0usize, 8, 5000, 6 << 20].into_iter().enumerate() {
             let data = pattern(i as u64 + 50, len);
-            p.client.write_with_imm(data.clone(), r.slice(0, len as u64).unwrap(), 0xC0DE_0000 + i as u32).await.unwrap();
+            p.client
+                .write_with_imm(
+                    data.clone(),
+                    r.slice(0, len as u64).unwrap(),
+                    0xC0DE_0000 + i as u32,
+                )
+                .await
+                .unwrap();
             match p.server.recv().await.unwrap() {
                 Incoming::WriteImm { imm, len: l } => {
                     assert_eq!(imm, 0xC0DE_0000 + i as u32);
@@ -555,11 +706,23 @@ impl Suite {
         }
         // Notices and messages share one ordered receive queue.
         p.client.send(&b"before"[..]).await.unwrap();
-        p.client.write_with_imm(vec![1; 4], r.slice(0, 4).unwrap(), 7).await.unwrap();
+        p.client
+            .write_with_imm(vec![1; 4], r.slice(0, 4).unwrap(), 7)
+            .await
+            .unwrap();
         p.client.send(&b"after"[..]).await.unwrap();
-        assert_eq!(p.server.recv().await.unwrap(), Incoming::Message(Bytes::from_static(b"before")));
-        assert_eq!(p.server.recv().await.unwrap(), Incoming::WriteImm { imm: 7, len: 4 });
-        assert_eq!(p.server.recv().await.unwrap(), Incoming::Message(Bytes::from_static(b"after")));
+        assert_eq!(
+            p.server.recv().await.unwrap(),
+            Incoming::Message(Bytes::from_static(b"before"))
+        );
+        assert_eq!(
+            p.server.recv().await.unwrap(),
+            Incoming::WriteImm { imm: 7, len: 4 }
+        );
+        assert_eq!(
+            p.server.recv().await.unwrap(),
+            Incoming::Message(Bytes::from_static(b"after"))
+        );
     }
 
     /// Graceful close: the peer's receive ends with `Disconnected`, later
@@ -571,13 +734,25 @@ impl Suite {
         p.client.close().await.unwrap();
         assert_eq!(&p.server.recv_message().await.unwrap()[..], b"last words");
         assert!(matches!(p.server.recv().await, Err(Error::Disconnected(_))));
-        assert!(matches!(p.client.read(mr.remote()).await, Err(Error::Disconnected(_))));
-        assert!(matches!(p.server.send(&b"x"[..]).await, Err(Error::Disconnected(_))));
+        assert!(matches!(
+            p.client.read(mr.remote()).await,
+            Err(Error::Disconnected(_))
+        ));
+        assert!(matches!(
+            p.server.send(&b"x"[..]).await,
+            Err(Error::Disconnected(_))
+        ));
     }
 
     /// Per-call deadlines override the default, and counters count.
     pub async fn deadlines_and_counters(&self) {
-        let opts = Options { op_timeout: Duration::from_millis(250), recv_credits: 4, max_message: 1024, recv_window: 4096, ..Options::default() };
+        let opts = Options {
+            op_timeout: Duration::from_millis(250),
+            recv_credits: 4,
+            max_message: 1024,
+            recv_window: 4096,
+            ..Options::default()
+        };
         let p = self.pair_with(opts.clone(), opts).await;
         assert_eq!(p.client.op_timeout(), Duration::from_millis(250));
         for _ in 0..4 {
@@ -585,10 +760,20 @@ impl Suite {
         }
         let t0 = Instant::now();
         let r = p.client.send(vec![0u8; 10]).await;
-        assert!(matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(250)), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(250)),
+            "{r:?}"
+        );
         assert!(t0.elapsed() >= Duration::from_millis(240));
-        let r = p.client.send(vec![0u8; 10]).timeout(Duration::from_millis(20)).await;
-        assert!(matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(20)), "{r:?}");
+        let r = p
+            .client
+            .send(vec![0u8; 10])
+            .timeout(Duration::from_millis(20))
+            .await;
+        assert!(
+            matches!(r, Err(Error::TimedOut(d)) if d == Duration::from_millis(20)),
+            "{r:?}"
+        );
         let s = p.client.stats();
         assert_eq!(s.sends, 4);
         assert_eq!(s.timeouts, 2);
@@ -596,7 +781,10 @@ impl Suite {
         let mr = p.server_opts.domain.register(64, Access::ALL);
         p.client.write(vec![1u8; 64], mr.remote()).await.unwrap();
         p.client.read(mr.remote()).await.unwrap();
-        p.client.fetch_and_add(mr.remote().word(0).unwrap(), 1).await.unwrap();
+        p.client
+            .fetch_and_add(mr.remote().word(0).unwrap(), 1)
+            .await
+            .unwrap();
         let s = p.client.stats();
         assert_eq!((s.writes, s.reads, s.atomics), (1, 1, 1));
         assert!(p.server.stats().remote_ops_served >= 3);

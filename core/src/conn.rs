@@ -85,8 +85,12 @@ pub trait RawConnection: Send + Sync + 'static {
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>>;
     /// Write `data` to the remote range (`data.len() == dst.len`), optionally with an
     /// immediate that the peer receives through `recv` after the data landed.
-    fn write(&self, dst: RemoteRegion, data: Bytes, imm: Option<u32>)
-        -> BoxFuture<'static, Result<()>>;
+    fn write(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        imm: Option<u32>,
+    ) -> BoxFuture<'static, Result<()>>;
     /// Run an atomic on the remote 8-byte word; returns the old value.
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>>;
     /// Close gracefully: the peer sees a clean disconnect.

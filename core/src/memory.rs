@@ -24,8 +24,7 @@ use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
 use parking_lot::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard,
-    RwLockWriteGuard,
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 use serde::{Deserialize, Serialize};
 
@@ -286,7 +285,12 @@ impl Domain {
         self.inner
             .registered_bytes
             .fetch_add(len as u64, Ordering::Relaxed);
-        tracing::debug!(rkey = format_args!("{rkey:#010x}"), len, ?access, "region registered");
+        tracing::debug!(
+            rkey = format_args!("{rkey:#010x}"),
+            len,
+            ?access,
+            "region registered"
+        );
         MemoryRegion {
             inner,
             domain: Arc::downgrade(&self.inner),
@@ -538,7 +542,10 @@ impl MemoryRegion {
         if let Some(d) = self.domain.upgrade() {
             Domain { inner: d }.revoke(self.inner.rkey);
         }
-        tracing::debug!(rkey = format_args!("{:#010x}", self.inner.rkey), "region deregistered");
+        tracing::debug!(
+            rkey = format_args!("{:#010x}", self.inner.rkey),
+            "region deregistered"
+        );
     }
 }
 
@@ -619,7 +626,10 @@ mod tests {
         assert_eq!(keys.len(), 64);
         let sorted: Vec<u32> = regions.iter().map(|r| r.rkey()).collect();
         // Sequential keys would differ by small constants; random ones almost never do.
-        let seq = sorted.windows(2).filter(|w| w[1].wrapping_sub(w[0]) < 16).count();
+        let seq = sorted
+            .windows(2)
+            .filter(|w| w[1].wrapping_sub(w[0]) < 16)
+            .count();
         assert!(seq < 4, "keys look sequential: {sorted:?}");
     }
 
@@ -662,7 +672,10 @@ mod tests {
             d.remote_atomic(
                 r.rkey,
                 r.addr + 8,
-                AtomicOp::CompareAndSwap { expected: 4, new: 9 }
+                AtomicOp::CompareAndSwap {
+                    expected: 4,
+                    new: 9
+                }
             ),
             Ok(5)
         );

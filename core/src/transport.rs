@@ -349,7 +349,13 @@ mod tests {
         assert_eq!(ep.addr, "10.0.0.1:7471");
         let ep: Endpoint = "TCP://[::1]:80/".parse().unwrap();
         assert_eq!((ep.scheme.as_str(), ep.addr.as_str()), ("tcp", "[::1]:80"));
-        for bad in ["10.0.0.1:7", "tcp://host", "tcp://:80", "://h:1", "tcp://h:99999"] {
+        for bad in [
+            "10.0.0.1:7",
+            "tcp://host",
+            "tcp://:80",
+            "://h:1",
+            "tcp://h:99999",
+        ] {
             assert!(bad.parse::<Endpoint>().is_err(), "{bad}");
         }
     }

@@ -421,11 +421,15 @@ impl Shared {
             }
             Kind::Write => {
                 self.stats.add(|s| &s.bytes_received, payload.len() as u64);
-                let res = self
-                    .domain
-                    .remote_write(h.rkey, h.addr, h.a, h.b, &payload);
+                let res = self.domain.remote_write(h.rkey, h.addr, h.a, h.b, &payload);
                 if res.is_ok() && h.flags & FLAG_IMM != 0 && h.flags & FLAG_LAST != 0 {
-                    self.deliver(Incoming::WriteImm { imm: h.imm, len: h.a }, 0)?;
+                    self.deliver(
+                        Incoming::WriteImm {
+                            imm: h.imm,
+                            len: h.a,
+                        },
+                        0,
+                    )?;
                 }
                 self.respond(h.id, res.map(|()| (0, Bytes::new())))?;
             }
@@ -521,7 +525,11 @@ impl Shared {
 
     async fn read(self: Arc<Self>, src: RemoteRegion) -> Result<Bytes> {
         check_rdma_len(src.len)?;
-        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        let _permit = self
+            .inflight
+            .acquire()
+            .await
+            .map_err(|_| self.disconnected())?;
         let pieces = pieces(src.len);
         if pieces.len() == 1 {
             return self.read_piece(src, 0, src.len).await;
@@ -562,9 +570,18 @@ impl Shared {
         Ok(r.payload)
     }
 
-    async fn write(self: Arc<Self>, dst: RemoteRegion, data: Bytes, imm: Option<u32>) -> Result<()> {
+    async fn write(
+        self: Arc<Self>,
+        dst: RemoteRegion,
+        data: Bytes,
+        imm: Option<u32>,
+    ) -> Result<()> {
         check_rdma_len(dst.len)?;
-        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        let _permit = self
+            .inflight
+            .acquire()
+            .await
+            .map_err(|_| self.disconnected())?;
         if imm.is_some() {
             // A write-with-immediate consumes one of the peer's receive credits.
             let _order = self.send_order.lock().await;
@@ -600,7 +617,11 @@ impl Shared {
     }
 
     async fn atomic(self: Arc<Self>, dst: RemoteRegion, op: AtomicOp) -> Result<u64> {
-        let _permit = self.inflight.acquire().await.map_err(|_| self.disconnected())?;
+        let _permit = self
+            .inflight
+            .acquire()
+            .await
+            .map_err(|_| self.disconnected())?;
         let mut h = Header::new(Kind::Atomic);
         h.addr = dst.addr;
         h.rkey = dst.rkey;

@@ -253,18 +253,20 @@ mod tests {
             any::<u32>(),
             any::<(u32, u64, u64, u32)>(),
         )
-            .prop_map(|(k, flags, status, id, addr, rkey, (imm, a, b, len))| Header {
-                kind: Kind::from_u8(k).unwrap(),
-                flags,
-                status,
-                payload_len: len,
-                id,
-                addr,
-                rkey,
-                imm,
-                a,
-                b,
-            })
+            .prop_map(
+                |(k, flags, status, id, addr, rkey, (imm, a, b, len))| Header {
+                    kind: Kind::from_u8(k).unwrap(),
+                    flags,
+                    status,
+                    payload_len: len,
+                    id,
+                    addr,
+                    rkey,
+                    imm,
+                    a,
+                    b,
+                },
+            )
     }
 
     proptest! {
@@ -311,7 +313,11 @@ mod tests {
         h.payload_len = 11;
         assert!(matches!(
             Header::decode(&h.encode(), 10),
-            Err(FrameError::TooLarge { len: 11, max: 10, .. })
+            Err(FrameError::TooLarge {
+                len: 11,
+                max: 10,
+                ..
+            })
         ));
         let mut h = Header::new(Kind::Write);
         h.payload_len = 8;

@@ -101,7 +101,9 @@ fn verify(secret: &[u8], label: &[u8], first: &[u8; 16], second: &[u8; 16], got:
 
 fn io_err(stage: &str, e: std::io::Error) -> Error {
     if e.kind() == std::io::ErrorKind::UnexpectedEof {
-        Error::Disconnected(format!("peer closed the connection during the handshake ({stage})"))
+        Error::Disconnected(format!(
+            "peer closed the connection during the handshake ({stage})"
+        ))
     } else {
         Error::Disconnected(format!("handshake {stage}: {e}"))
     }
@@ -131,7 +133,9 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
     s.write_all(&hello).await.map_err(|e| io_err("hello", e))?;
 
     let mut w = [0u8; WELCOME_LEN];
-    s.read_exact(&mut w[..8]).await.map_err(|e| io_err("welcome", e))?;
+    s.read_exact(&mut w[..8])
+        .await
+        .map_err(|e| io_err("welcome", e))?;
     check_magic(&w)?;
     let mut r = &w[4..8];
     let version = r.get_u16_le();
@@ -142,7 +146,9 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
             peer: version,
         });
     }
-    s.read_exact(&mut w[8..]).await.map_err(|e| io_err("welcome", e))?;
+    s.read_exact(&mut w[8..])
+        .await
+        .map_err(|e| io_err("welcome", e))?;
     let mut r = &w[8..];
     let flags = r.get_u16_le();
     r.advance(2);
@@ -156,10 +162,16 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
     match status {
         ST_OK => {}
         ST_LIMITS => return Err(Error::Protocol("server refused our limits".into())),
-        other => return Err(Error::Protocol(format!("server refused with status {other}"))),
+        other => {
+            return Err(Error::Protocol(format!(
+                "server refused with status {other}"
+            )))
+        }
     }
     if !peer.valid() {
-        return Err(Error::Protocol(format!("server announced invalid limits {peer:?}")));
+        return Err(Error::Protocol(format!(
+            "server announced invalid limits {peer:?}"
+        )));
     }
     let server_auth = flags & FLAG_AUTH != 0;
     let proof_c = match (secret, server_auth) {
@@ -181,7 +193,9 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
     };
     s.write_all(&proof_c).await.map_err(|e| io_err("auth", e))?;
     let mut v = [0u8; 4];
-    s.read_exact(&mut v).await.map_err(|e| io_err("verdict", e))?;
+    s.read_exact(&mut v)
+        .await
+        .map_err(|e| io_err("verdict", e))?;
     match u16::from_le_bytes([v[0], v[1]]) {
         ST_OK => Ok(Agreed {
             peer,
@@ -192,14 +206,18 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
         } else {
             "the server rejected our proof (secrets differ)".into()
         })),
-        other => Err(Error::Protocol(format!("server refused with status {other}"))),
+        other => Err(Error::Protocol(format!(
+            "server refused with status {other}"
+        ))),
     }
 }
 
 /// Server side of the handshake.
 pub async fn server(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> Result<Agreed> {
     let mut h = [0u8; HELLO_LEN];
-    s.read_exact(&mut h[..6]).await.map_err(|e| io_err("hello", e))?;
+    s.read_exact(&mut h[..6])
+        .await
+        .map_err(|e| io_err("hello", e))?;
     check_magic(&h)?;
     let version = u16::from_le_bytes([h[4], h[5]]);
     let nonce_s: [u8; 16] = rand::random();
@@ -226,7 +244,9 @@ pub async fn server(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
             peer: version,
         });
     }
-    s.read_exact(&mut h[6..]).await.map_err(|e| io_err("hello", e))?;
+    s.read_exact(&mut h[6..])
+        .await
+        .map_err(|e| io_err("hello", e))?;
     let mut r = &h[6..];
     let flags = r.get_u16_le();
     let peer = Limits {
@@ -238,14 +258,20 @@ pub async fn server(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
     if !peer.valid() {
         send_welcome(ST_LIMITS, [0; 32], &mut welcome);
         let _ = s.write_all(&welcome).await;
-        return Err(Error::Protocol(format!("client announced invalid limits {peer:?}")));
+        return Err(Error::Protocol(format!(
+            "client announced invalid limits {peer:?}"
+        )));
     }
     let proof_s = secret.map_or([0; 32], |k| proof(k, b"rdmx-server", &nonce_c, &nonce_s));
     send_welcome(ST_OK, proof_s, &mut welcome);
-    s.write_all(&welcome).await.map_err(|e| io_err("welcome", e))?;
+    s.write_all(&welcome)
+        .await
+        .map_err(|e| io_err("welcome", e))?;
 
     let mut proof_c = [0u8; 32];
-    s.read_exact(&mut proof_c).await.map_err(|e| io_err("auth", e))?;
+    s.read_exact(&mut proof_c)
+        .await
+        .map_err(|e| io_err("auth", e))?;
     let verdict = match secret {
         None => Ok(()),
         Some(_) if flags & FLAG_AUTH == 0 => Err(Error::AuthFailed(

@@ -138,7 +138,11 @@ impl Transport for TcpTransport {
             let (tx, rx) = mpsc::channel(64);
             let task = tokio::spawn(accept_loop(l, opts, ours, tx));
             tracing::info!(%local, "tcp listener ready");
-            Ok(Listener::new(Box::new(TcpListenerHandle { rx, local, task })))
+            Ok(Listener::new(Box::new(TcpListenerHandle {
+                rx,
+                local,
+                task,
+            })))
         })
     }
 }

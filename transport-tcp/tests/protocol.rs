@@ -1,0 +1,421 @@
+//! TCP-specific behaviour: handshake (version, authentication), malformed
+//! frames, and run-time transport selection with fallback.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rdmx_core::{Access, Error, Options, Policy, Transport, Transports};
+use rdmx_transport_tcp::frame::{Header, Kind, HEADER_LEN};
+use rdmx_transport_tcp::handshake::{self, Limits, VERSION};
+use rdmx_transport_tcp::TcpTransport;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+fn limits() -> Limits {
+    let o = Options::default();
+    Limits {
+        credits: o.recv_credits,
+        window: o.recv_window,
+        max_message: o.max_message,
+    }
+}
+
+async fn listen(opts: &Options) -> (rdmx_core::Listener, String) {
+    let l = TcpTransport::new()
+        .listen("127.0.0.1:0", opts)
+        .await
+        .unwrap();
+    let a = l.local_addr().to_string();
+    (l, a)
+}
+
+async fn both(
+    client: Options,
+    server: Options,
+) -> (
+    rdmx_core::Result<rdmx_core::Connection>,
+    rdmx_core::Result<rdmx_core::Connection>,
+) {
+    let (mut l, addr) = listen(&server).await;
+    let t = TcpTransport::new();
+    let (c, s) = tokio::join!(t.connect(&addr, &client), l.accept());
+    (c, s)
+}
+
+#[tokio::test]
+async fn shared_secret_authenticates_both_ways() {
+    let (c, s) = both(
+        Options::default().secret("s3cret"),
+        Options::default().secret("s3cret"),
+    )
+    .await;
+    let (c, s) = (c.unwrap(), s.unwrap());
+    assert!(c.info().authenticated && s.info().authenticated);
+    c.send(&b"hi"[..]).await.unwrap();
+    assert_eq!(&s.recv_message().await.unwrap()[..], b"hi");
+}
+
+#[tokio::test]
+async fn wrong_secret_fails_on_both_sides() {
+    let (c, s) = both(
+        Options::default().secret("alpha"),
+        Options::default().secret("bravo"),
+    )
+    .await;
+    // The client checks the server's proof first and gives up.
+    assert!(
+        matches!(c, Err(Error::AuthFailed(ref m)) if m.contains("server's proof")),
+        "{c:?}"
+    );
+    assert!(
+        matches!(s, Err(Error::Disconnected(_)) | Err(Error::AuthFailed(_))),
+        "{s:?}"
+    );
+}
+
+#[tokio::test]
+async fn missing_secret_fails_on_both_sides() {
+    let (c, s) = both(Options::default(), Options::default().secret("needed")).await;
+    assert!(
+        matches!(c, Err(Error::AuthFailed(ref m)) if m.contains("requires a shared secret")),
+        "{c:?}"
+    );
+    assert!(
+        matches!(s, Err(Error::AuthFailed(ref m)) if m.contains("no credentials")),
+        "{s:?}"
+    );
+
+    let (c, s) = both(Options::default().secret("mine"), Options::default()).await;
+    assert!(
+        matches!(c, Err(Error::AuthFailed(ref m)) if m.contains("server has no secret")),
+        "{c:?}"
+    );
+    assert!(matches!(s, Err(Error::Disconnected(_))), "{s:?}");
+}
+
+#[tokio::test]
+async fn secret_never_crosses_the_wire() {
+    // A fake server records everything the client sends during the handshake.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let spy = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut seen = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_millis(500), s.read_to_end(&mut seen)).await;
+        seen
+    });
+    let opts = Options {
+        connect_timeout: Duration::from_millis(300),
+        ..Options::default()
+    }
+    .secret("TOPSECRETVALUE");
+    let r = TcpTransport::new().connect(&addr, &opts).await;
+    assert!(matches!(r, Err(Error::TimedOut(_))), "{r:?}");
+    let seen = spy.await.unwrap();
+    assert_eq!(&seen[..4], b"RDMX");
+    assert!(!seen.windows(14).any(|w| w == b"TOPSECRETVALUE"));
+}
+
+#[tokio::test]
+async fn version_mismatch_reported_by_server() {
+    let (mut l, addr) = listen(&Options::default()).await;
+    let mut s = TcpStream::connect(&addr).await.unwrap();
+    let mut hello = b"RDMX".to_vec();
+    hello.extend_from_slice(&(VERSION + 1).to_le_bytes());
+    hello.resize(44, 0);
+    s.write_all(&hello).await.unwrap();
+    let mut welcome = [0u8; 8];
+    s.read_exact(&mut welcome).await.unwrap();
+    assert_eq!(&welcome[..4], b"RDMX");
+    assert_eq!(u16::from_le_bytes([welcome[4], welcome[5]]), VERSION);
+    assert_eq!(
+        u16::from_le_bytes([welcome[6], welcome[7]]),
+        1,
+        "status: version"
+    );
+    let err = l.accept().await.unwrap_err();
+    assert!(
+        matches!(err, Error::VersionMismatch { local, peer } if local == VERSION && peer == VERSION + 1),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn version_mismatch_reported_by_client() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut hello = [0u8; 44];
+        s.read_exact(&mut hello).await.unwrap();
+        let mut w = b"RDMX".to_vec();
+        w.extend_from_slice(&7u16.to_le_bytes());
+        w.resize(80, 0);
+        s.write_all(&w).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    });
+    let err = TcpTransport::new()
+        .connect(&addr, &Options::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::VersionMismatch { local, peer: 7 } if local == VERSION),
+        "{err}"
+    );
+    assert!(err.to_string().contains("version mismatch"));
+}
+
+#[tokio::test]
+async fn not_an_rdmx_peer() {
+    let (mut l, addr) = listen(&Options::default()).await;
+    let mut s = TcpStream::connect(&addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let err = l.accept().await.unwrap_err();
+    assert!(
+        matches!(err, Error::Protocol(ref m) if m.contains("not an rdmx peer")),
+        "{err}"
+    );
+}
+
+/// A raw client that completed the handshake, speaking frames by hand.
+async fn raw_client(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    handshake::client(&mut s, limits(), None).await.unwrap();
+    s
+}
+
+async fn expect_closed(s: &mut TcpStream) {
+    let mut buf = vec![0u8; 1024];
+    let r = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(r.is_ok(), "server did not close the connection");
+}
+
+#[tokio::test]
+async fn malformed_frames_close_only_that_connection() {
+    let opts = Options::default();
+    let mr = opts.domain.register(64, Access::ALL);
+    mr.write().copy_from_slice(&[0x11; 64]);
+    let (mut l, addr) = listen(&opts).await;
+
+    // A healthy connection that must survive everything below.
+    let t = TcpTransport::new();
+    let (good, good_srv) = tokio::join!(t.connect(&addr, &Options::default()), l.accept());
+    let (good, good_srv) = (good.unwrap(), good_srv.unwrap());
+
+    let mut oversized = Header::new(Kind::Send);
+    oversized.payload_len = (opts.max_message + 1) as u32;
+    let mut bad_piece = Header::new(Kind::Write);
+    bad_piece.payload_len = 16;
+    bad_piece.a = 8;
+    let mut unknown = Header::new(Kind::Send).encode();
+    unknown[0] = 0xEE;
+    let mut reserved = Header::new(Kind::Credit).encode();
+    reserved[3] = 1;
+    let mut payload_on_read = Header::new(Kind::Read);
+    payload_on_read.payload_len = 4;
+    let mut overrun = Vec::new();
+    // More messages than the server granted credits for.
+    for _ in 0..=opts.recv_credits {
+        overrun.extend_from_slice(&Header::new(Kind::Send).encode());
+    }
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "oversized",
+            oversized.encode().to_vec(),
+            "exceeds the limit",
+        ),
+        (
+            "piece outside op",
+            bad_piece.encode().to_vec(),
+            "piece outside",
+        ),
+        ("unknown kind", unknown.to_vec(), "unknown frame kind"),
+        ("reserved byte", reserved.to_vec(), "reserved header byte"),
+        (
+            "payload on read",
+            payload_on_read.encode().to_vec(),
+            "exceeds the limit",
+        ),
+        ("credit overrun", overrun, "beyond its receive credits"),
+    ];
+    for (name, bytes, why) in cases {
+        let mut s = raw_client(&addr).await;
+        let srv = l.accept().await.unwrap();
+        s.write_all(&bytes).await.unwrap();
+        expect_closed(&mut s).await;
+        // Messages that arrived within credits are still delivered, then the error.
+        let mut delivered = 0;
+        let err = loop {
+            match srv.recv().await {
+                Ok(m) => {
+                    assert_eq!(m, rdmx_core::Incoming::Message(Default::default()));
+                    delivered += 1;
+                }
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            delivered <= opts.recv_credits,
+            "{name}: {delivered} delivered"
+        );
+        assert!(
+            matches!(err, Error::Protocol(ref m) if m.contains(why)),
+            "{name}: {err}"
+        );
+    }
+
+    // Truncated frame then EOF: a clean disconnect, no protocol confusion.
+    let mut s = raw_client(&addr).await;
+    let srv = l.accept().await.unwrap();
+    s.write_all(&Header::new(Kind::Send).encode()[..HEADER_LEN / 2])
+        .await
+        .unwrap();
+    s.shutdown().await.unwrap();
+    drop(s);
+    assert!(matches!(
+        srv.recv().await.unwrap_err(),
+        Error::Disconnected(_)
+    ));
+
+    // The healthy connection and the region are untouched.
+    assert!(mr.read().iter().all(|&b| b == 0x11));
+    let r = mr.remote();
+    good.write(vec![0x22; 8], r.slice(0, 8).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        &good.read(r.slice(0, 16).unwrap()).await.unwrap()[..],
+        &[[0x22u8; 8], [0x11; 8]].concat()[..]
+    );
+    good_srv.send(&b"alive"[..]).await.unwrap();
+    assert_eq!(&good.recv_message().await.unwrap()[..], b"alive");
+}
+
+#[tokio::test]
+async fn selection_policy_and_fallback() {
+    let ts = Transports::new().with(TcpTransport::new());
+    let (mut l, addr) = listen(&Options::default()).await;
+    let before = rdmx_core::stats::global().fallbacks.load(Ordering::Relaxed);
+    let rdma_url = format!("rdma://{addr}");
+    let tcp_url = format!("tcp://{addr}");
+    let dflt = Options::default();
+
+    // prefer RDMA: falls back to TCP, says why, counts it.
+    let (c, s) = tokio::join!(ts.connect(&rdma_url, &dflt), l.accept());
+    let c = c.unwrap();
+    s.unwrap();
+    assert_eq!(c.transport(), "tcp");
+    let why = c.fallback_reason().expect("fallback reason");
+    assert!(why.contains("no RDMA transport"), "{why}");
+    assert!(rdmx_core::stats::global().fallbacks.load(Ordering::Relaxed) > before);
+
+    // require RDMA: clear error, no connection.
+    let opts = Options {
+        policy: Policy::RequireRdma,
+        ..Options::default()
+    };
+    let err = ts.connect(&rdma_url, &opts).await.unwrap_err();
+    assert!(
+        matches!(err, Error::RdmaUnavailable(ref m) if m.contains("no RDMA transport")),
+        "{err}"
+    );
+    let err = ts.connect(&tcp_url, &opts).await.unwrap_err();
+    assert!(matches!(err, Error::RdmaUnavailable(_)), "{err}");
+
+    // tcp-only: uses TCP and says it was the policy.
+    let opts = Options {
+        policy: Policy::TcpOnly,
+        ..Options::default()
+    };
+    let (c, s) = tokio::join!(ts.connect(&rdma_url, &opts), l.accept());
+    s.unwrap();
+    assert_eq!(c.unwrap().fallback_reason(), Some("policy is tcp-only"));
+
+    // Plain tcp:// is not a fallback.
+    let (c, s) = tokio::join!(ts.connect(&tcp_url, &dflt), l.accept());
+    s.unwrap();
+    assert_eq!(c.unwrap().fallback_reason(), None);
+
+    assert!(matches!(
+        ts.connect(&format!("bogus://{addr}"), &Options::default())
+            .await,
+        Err(Error::InvalidArgument(_))
+    ));
+    let (l2, reason) = ts
+        .listen("rdma://127.0.0.1:0", &Options::default())
+        .await
+        .unwrap();
+    assert!(reason.is_some());
+    assert_ne!(l2.local_addr().port(), 0);
+}
+
+#[tokio::test]
+async fn connect_refused_and_timeouts_are_clear() {
+    // A port nobody listens on.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let err = TcpTransport::new()
+        .connect(&format!("127.0.0.1:{port}"), &Options::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Connect(_)), "{err}");
+
+    // A server that accepts but never answers the handshake.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let _hold = tokio::spawn(async move {
+        let _s = l.accept().await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let opts = Options {
+        connect_timeout: Duration::from_millis(200),
+        ..Options::default()
+    };
+    let err = TcpTransport::new().connect(&addr, &opts).await.unwrap_err();
+    assert!(matches!(err, Error::TimedOut(_)), "{err}");
+}
+
+#[tokio::test]
+async fn invalid_limits_are_refused_locally() {
+    let opts = Options {
+        max_message: 64 << 20,
+        recv_window: 64 << 20,
+        ..Options::default()
+    };
+    let err = TcpTransport::new()
+        .connect("127.0.0.1:1", &opts)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+#[tokio::test]
+async fn busy_poll_mode_works() {
+    let opts = Options {
+        busy_poll: Some(Duration::from_micros(50)),
+        ..Options::default()
+    };
+    let mr = opts.domain.register(4096, Access::ALL);
+    let (mut l, addr) = listen(&opts).await;
+    let (c, s) = tokio::join!(TcpTransport::new().connect(&addr, &opts), l.accept());
+    let (c, _s) = (c.unwrap(), s.unwrap());
+    for i in 0..200u64 {
+        assert_eq!(
+            c.fetch_and_add(mr.remote().word(8).unwrap(), 1)
+                .await
+                .unwrap(),
+            i
+        );
+    }
+    assert_eq!(mr.load_u64(8), 200);
+}

@@ -202,6 +202,9 @@ impl FromStr for Endpoint {
     }
 }
 
+/// RDMA transports to try, and why the others cannot be used.
+type Plan = (Vec<Arc<dyn Transport>>, Vec<String>);
+
 /// The transports a program links in, and the policy-driven choice among them.
 #[derive(Clone, Default)]
 pub struct Transports {
@@ -244,7 +247,7 @@ impl Transports {
         &self,
         ep: &Endpoint,
         policy: Policy,
-    ) -> Result<(Vec<Arc<dyn Transport>>, Vec<String>)> {
+    ) -> Result<Plan> {
         if policy == Policy::TcpOnly {
             return Ok((Vec::new(), vec!["policy is tcp-only".into()]));
         }

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Measure rdmx over TCP against raw TCP, UCX over TCP (ucx_perftest) and
+# libfabric's tcp provider (fi_pingpong), in one run on this machine, and
+# write BENCHMARKS.md from the results. Everything runs on 127.0.0.1.
+#
+#   bash bench/run.sh            # full run (several minutes)
+#   QUICK=1 bash bench/run.sh    # short run, for smoke tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=bench/out
+mkdir -p "$OUT"
+rm -f "$OUT"/*
+
+need() { command -v "$1" >/dev/null 2>&1; }
+if ! need ucx_perftest || ! need fi_pingpong; then
+  echo "installing ucx-utils and libfabric-bin" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ucx-utils libfabric-bin >/dev/null
+fi
+
+cargo build --release -q -p rdmx-cli
+RDMX=target/release/rdmx
+if [ -n "${QUICK:-}" ]; then DUR=200; ITERS=500; UN=2000; FI=500; else DUR=1000; ITERS=5000; UN=20000; FI=10000; fi
+
+run() { # name, command...   (records the command for the report)
+  local name=$1; shift
+  printf '%s\n' "$*" > "$OUT/$name.cmd"
+  timeout 600 "$@" > "$OUT/$name.out" 2> "$OUT/$name.err" || echo "warning: $name failed (see $OUT/$name.err)" >&2
+}
+
+echo "rdmx perf (interrupt mode, full sweep)" >&2
+run rdmx_irq $RDMX perf --loopback --baseline raw-tcp --json --duration-ms $DUR --iters $ITERS \
+  --op send,write,read,cas,faa --sizes 8,64,512,4k,32k,256k,1m --window 16
+echo "rdmx perf (busy-poll mode, 8 B)" >&2
+run rdmx_poll $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100 --mode lat \
+  --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
+$RDMX perf --loopback --baseline raw-tcp --duration-ms $DUR --iters $ITERS --op write,read \
+  --sizes 8,512,4k,32k,256k,1m --svg bench/perf-tcp.svg > /dev/null 2>&1 || true
+
+export UCX_TLS=tcp UCX_NET_DEVICES=lo
+ucx() { # name, ucx_perftest client args...
+  local name=$1; shift
+  local port=$((20000 + RANDOM % 20000))
+  timeout 300 ucx_perftest -p $port > /dev/null 2>&1 &
+  local srv=$!
+  sleep 0.5
+  run "$name" ucx_perftest 127.0.0.1 -p $port "$@" -f -v
+  kill $srv 2>/dev/null || true
+  wait $srv 2>/dev/null || true
+}
+echo "UCX over TCP" >&2
+ucx ucx_put_lat -t ucp_put_lat -s 8 -n $UN -w 1000
+ucx ucx_get_lat -t ucp_get -s 8 -n $((UN / 10)) -w 100
+ucx ucx_tag_lat -t tag_lat -s 8 -n $UN -w 1000
+ucx ucx_put_lat_sleep -t ucp_put_lat -s 8 -n $UN -w 1000 -E sleep
+ucx ucx_put_bw_1m -t ucp_put_bw -s 1048576 -n $((FI / 5)) -w 100
+ucx ucx_get_bw_1m -t ucp_get -s 1048576 -n $((FI / 5)) -w 100 -O 16
+
+fabric() { # name, size
+  local name=$1 size=$2
+  local port=$((20000 + RANDOM % 20000))
+  timeout 300 fi_pingpong -p tcp -e msg -B $port -S "$size" -I $FI > /dev/null 2>&1 &
+  local srv=$!
+  sleep 0.5
+  run "$name" fi_pingpong -p tcp -e msg -P $port -S "$size" -I $FI 127.0.0.1
+  kill $srv 2>/dev/null || true
+  wait $srv 2>/dev/null || true
+}
+echo "libfabric tcp" >&2
+fabric fi_pingpong_8 8
+fabric fi_pingpong_1m 1048576
+
+python3 bench/report.py "$OUT" > BENCHMARKS.md
+echo "wrote BENCHMARKS.md" >&2

@@ -1,0 +1,61 @@
+//! `rdmx`: the rdmx command-line tool.
+//!
+//! * `rdmx perf` — perftest-style latency and bandwidth for any transport,
+//!   against a peer (`server` / `client URL`) or on this host (`--loopback`).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![forbid(unsafe_code)]
+
+mod perf;
+mod plot;
+mod raw;
+
+use clap::{Parser, Subcommand};
+
+/// rdmx: RDMA-speed transport for distributed services, with TCP fallback.
+#[derive(Parser, Debug)]
+#[command(name = "rdmx", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Measure latency and bandwidth of send, write, read, cas and faa.
+    Perf(perf::PerfArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RDMX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    // Run on a worker thread (not block_on's thread) so wake-ups stay on the
+    // runtime's workers.
+    let res = rt.block_on(async {
+        tokio::spawn(async move {
+            match cli.cmd {
+                Cmd::Perf(a) => perf::run(a).await,
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(rdmx_core::Error::Protocol(format!("task failed: {e}"))))
+    });
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rdmx: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -243,11 +243,7 @@ impl Transports {
 
     /// For a non-`tcp://` URL: the RDMA transports to try, in order, and the
     /// reasons the others cannot be used.
-    fn rdma_plan(
-        &self,
-        ep: &Endpoint,
-        policy: Policy,
-    ) -> Result<Plan> {
+    fn rdma_plan(&self, ep: &Endpoint, policy: Policy) -> Result<Plan> {
         if policy == Policy::TcpOnly {
             return Ok((Vec::new(), vec!["policy is tcp-only".into()]));
         }

@@ -23,8 +23,7 @@ use bytes::{Buf, BufMut};
 use hmac::{Hmac, Mac};
 use rdmx_core::{Error, Options, Result};
 use sha2::Sha256;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Wire magic.
 pub const MAGIC: &[u8; 4] = b"RDMX";
@@ -120,7 +119,11 @@ fn check_magic(b: &[u8]) -> Result<()> {
 }
 
 /// Client side of the handshake.
-pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> Result<Agreed> {
+pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    ours: Limits,
+    secret: Option<&[u8]>,
+) -> Result<Agreed> {
     let nonce_c: [u8; 16] = rand::random();
     let mut hello = Vec::with_capacity(HELLO_LEN);
     hello.put_slice(MAGIC);
@@ -213,7 +216,11 @@ pub async fn client(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> R
 }
 
 /// Server side of the handshake.
-pub async fn server(s: &mut TcpStream, ours: Limits, secret: Option<&[u8]>) -> Result<Agreed> {
+pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    ours: Limits,
+    secret: Option<&[u8]>,
+) -> Result<Agreed> {
     let mut h = [0u8; HELLO_LEN];
     s.read_exact(&mut h[..6])
         .await

@@ -353,6 +353,43 @@ impl Suite {
             AccessError::Revoked
         );
 
+        // Large refused operations store nothing and leave the stream in sync.
+        let big_ro = d.register_from(&pattern(2, 8 << 20), Access::REMOTE_READ);
+        let big_before = sha(&big_ro.read());
+        let big = pattern(3, 6 << 20);
+        assert_eq!(
+            denied(
+                c.write(
+                    big.clone(),
+                    big_ro.remote().slice(1 << 20, 6 << 20).unwrap()
+                )
+                .await
+            ),
+            AccessError::Permission
+        );
+        let big_rw = d.register(8 << 20, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let past_end = RemoteRegion {
+            addr: big_rw.remote().addr + (4 << 20),
+            len: 6 << 20,
+            ..big_rw.remote()
+        };
+        assert_eq!(
+            denied(c.write(big.clone(), past_end).await),
+            AccessError::OutOfBounds
+        );
+        assert!(
+            big_rw.read().iter().all(|&b| b == 0),
+            "a refused large write stored data"
+        );
+        assert_eq!(sha(&big_ro.read()), big_before);
+        c.write(
+            big.clone(),
+            big_rw.remote().slice(2 << 20, 6 << 20).unwrap(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(sha(&big_rw.read()[2 << 20..]), sha(&big));
+
         // Still usable afterwards, in both directions.
         c.write(vec![7; 16], rw.remote().slice(16, 16).unwrap())
             .await

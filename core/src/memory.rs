@@ -339,12 +339,12 @@ impl Domain {
         Ok((region, off as usize))
     }
 
-    /// Passive side of a one-sided write: store `data` at `addr`.
+    /// Passive side of a one-sided write: store `data` at `piece_offset` within
+    /// the operation `[op_addr, op_addr + op_len)`.
     ///
-    /// `op_addr`/`op_len` describe the whole operation this piece belongs to (a
-    /// transport may split one write into pieces); the whole range is checked
-    /// before any byte is stored, so a refused operation stores nothing.
-    /// A zero-length operation succeeds without checks, as on RDMA NICs
+    /// A transport may split one write into pieces; the whole operation's range
+    /// is checked before any byte is stored, so a refused operation stores
+    /// nothing. A zero-length operation succeeds without checks, as on RDMA NICs
     /// (IBTA 9.7.5.1.3: R_Key is not validated for zero-length transfers).
     pub fn remote_write(
         &self,
@@ -357,17 +357,41 @@ impl Domain {
         if op_len == 0 && data.is_empty() {
             return Ok(());
         }
-        let (region, off) = self.check(rkey, op_addr, op_len, Access::REMOTE_WRITE)?;
-        let start = off as u64 + piece_offset;
-        if piece_offset + data.len() as u64 > op_len {
-            return Err(AccessError::OutOfBounds);
-        }
+        self.remote_write_with(
+            rkey,
+            op_addr,
+            op_len,
+            piece_offset,
+            data.len() as u64,
+            |dst| dst.copy_from_slice(data),
+        )
+    }
+
+    /// Zero-copy form of [`Domain::remote_write`]: after the same checks, run `f`
+    /// on the `len` destination bytes while the region is locked (a transport
+    /// can read a socket straight into them). Keep `f` short and non-blocking.
+    pub fn remote_write_with<R>(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        len: u64,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, AccessError> {
+        let (region, start) = self.check_piece(
+            rkey,
+            op_addr,
+            op_len,
+            piece_offset,
+            len,
+            Access::REMOTE_WRITE,
+        )?;
         let mut mem = region.mem.write();
         if mem.revoked {
             return Err(AccessError::Revoked);
         }
-        mem.bytes_mut()[start as usize..start as usize + data.len()].copy_from_slice(data);
-        Ok(())
+        Ok(f(&mut mem.bytes_mut()[start..start + len as usize]))
     }
 
     /// Passive side of a one-sided read of `len` bytes at `piece_offset` within the
@@ -383,18 +407,58 @@ impl Domain {
         if op_len == 0 && len == 0 {
             return Ok(Bytes::new());
         }
-        let (region, off) = self.check(rkey, op_addr, op_len, Access::REMOTE_READ)?;
-        if piece_offset + len > op_len {
-            return Err(AccessError::OutOfBounds);
-        }
-        let start = off + piece_offset as usize;
+        self.remote_read_with(
+            rkey,
+            op_addr,
+            op_len,
+            piece_offset,
+            len,
+            Bytes::copy_from_slice,
+        )
+    }
+
+    /// Zero-copy form of [`Domain::remote_read`]: after the same checks, run `f`
+    /// on the `len` source bytes while the region is locked (a transport can
+    /// write them straight to a socket). Keep `f` short and non-blocking.
+    pub fn remote_read_with<R>(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        len: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, AccessError> {
+        let (region, start) = self.check_piece(
+            rkey,
+            op_addr,
+            op_len,
+            piece_offset,
+            len,
+            Access::REMOTE_READ,
+        )?;
         let mem = region.mem.read();
         if mem.revoked {
             return Err(AccessError::Revoked);
         }
-        Ok(Bytes::copy_from_slice(
-            &mem.bytes()[start..start + len as usize],
-        ))
+        Ok(f(&mem.bytes()[start..start + len as usize]))
+    }
+
+    /// Check the whole operation, then locate the piece inside the region.
+    fn check_piece(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Arc<RegionInner>, usize), AccessError> {
+        let (region, off) = self.check(rkey, op_addr, op_len, need)?;
+        if piece_offset.checked_add(len).is_none_or(|e| e > op_len) {
+            return Err(AccessError::OutOfBounds);
+        }
+        Ok((region, off + piece_offset as usize))
     }
 
     /// Passive side of a remote atomic on the 8-byte word at `addr`.

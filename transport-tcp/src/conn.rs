@@ -24,6 +24,7 @@ use crate::frame::{
     Header, Kind, OutFrame, FLAG_FAA, FLAG_IMM, FLAG_LAST, HEADER_LEN, MAX_PIECE, STATUS_OK,
 };
 use crate::handshake::{Agreed, Limits};
+use crate::pool;
 
 /// Frames carried by one `writev`.
 const MAX_IOV: usize = 64;
@@ -31,6 +32,10 @@ const MAX_IOV: usize = 64;
 /// must queue for our read responses, as RDMA bounds outstanding READs
 /// (IBTA 9.5: max_rd_atomic), so no responder needs to stop reading its socket.
 const READ_OUTSTANDING: usize = 64 << 20;
+/// Payloads at least this large are read from the socket straight into their
+/// destination: the target region (writes) or a pooled buffer (messages,
+/// read responses).
+const DIRECT_MIN: usize = 64 << 10;
 /// Socket read buffer growth step.
 const READ_CHUNK: usize = 64 << 10;
 /// Largest single read/write operation.
@@ -40,7 +45,6 @@ struct WriteQueue {
     frames: VecDeque<OutFrame>,
     /// Someone (a direct writer or the writer task) owns the socket's write side.
     busy: bool,
-    queued_bytes: usize,
     closed: bool,
 }
 
@@ -166,7 +170,6 @@ impl TcpConnection {
             wq: Mutex::new(WriteQueue {
                 frames: VecDeque::new(),
                 busy: false,
-                queued_bytes: 0,
                 closed: false,
             }),
             writer_wake: Notify::new(),
@@ -240,35 +243,33 @@ impl Shared {
 
     // ---------------------------------------------------------------- writing
 
-    /// Queue a frame; writes it at once if nobody else is writing.
-    /// A frame once queued goes out whole, even if the caller is dropped.
-    fn enqueue(&self, frame: OutFrame) -> Result<()> {
-        {
-            let mut q = self.wq.lock();
-            if q.closed {
-                drop(q);
-                return Err(self.disconnected());
-            }
-            if q.busy {
-                q.queued_bytes += frame.remaining();
-                q.frames.push_back(frame);
-                return Ok(());
-            }
-            q.busy = true;
+    /// Take the socket's write side, or (if someone else holds it) queue the
+    /// frame `make` builds, atomically. Returns true if the caller now writes.
+    fn claim_or_queue(&self, make: impl FnOnce() -> OutFrame) -> Result<bool> {
+        let mut q = self.wq.lock();
+        if q.closed {
+            drop(q);
+            return Err(self.disconnected());
         }
-        let mut one = VecDeque::from([frame]);
-        match write_some(&self.stream, &mut one) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => {
+        if q.busy {
+            q.frames.push_back(make());
+            return Ok(false);
+        }
+        q.busy = true;
+        Ok(true)
+    }
+
+    /// After a direct write: queue what did not fit (first, to keep order) and
+    /// hand the write side to the writer task if frames are waiting.
+    fn release_direct(&self, rest: Option<OutFrame>, res: io::Result<()>) {
+        if let Err(e) = res {
+            if e.kind() != io::ErrorKind::WouldBlock {
                 self.fail(Error::Disconnected(format!("write failed: {e}")));
-                return Ok(());
+                return;
             }
         }
         let mut q = self.wq.lock();
-        if let Some(rest) = one.pop_front() {
-            // Partial write: the remainder must go first; the writer task takes over.
-            q.queued_bytes += rest.remaining();
+        if let Some(rest) = rest {
             q.frames.push_front(rest);
         }
         if q.frames.is_empty() {
@@ -277,6 +278,51 @@ impl Shared {
             drop(q);
             self.writer_wake.notify_one();
         }
+    }
+
+    /// Queue a frame; writes it at once if nobody else is writing.
+    /// A frame once queued goes out whole, even if the caller is dropped.
+    fn enqueue(&self, frame: OutFrame) -> Result<()> {
+        let mut slot = Some(frame);
+        if !self.claim_or_queue(|| slot.take().expect("frame"))? {
+            return Ok(());
+        }
+        let mut one = VecDeque::from([slot.take().expect("frame")]);
+        let res = write_some(&self.stream, &mut one);
+        self.release_direct(one.pop_front(), res);
+        Ok(())
+    }
+
+    /// Like [`Shared::enqueue`] for a payload borrowed from a locked region:
+    /// written straight from it when the socket is idle; only what the socket
+    /// does not take at once (or a frame that must wait its turn) is copied.
+    fn enqueue_borrowed(&self, mut h: Header, data: &[u8]) -> Result<()> {
+        h.payload_len = u32::try_from(data.len()).expect("piece size checked by decode");
+        let hdr = h.encode();
+        let copy = |hdr_pos: usize, from: usize| OutFrame {
+            hdr,
+            hdr_pos,
+            payload: pool::copy(&data[from..]),
+        };
+        if !self.claim_or_queue(|| copy(0, 0))? {
+            return Ok(());
+        }
+        let total = HEADER_LEN + data.len();
+        let mut done = 0;
+        let res = loop {
+            if done == total {
+                break Ok(());
+            }
+            let (hp, dp) = (done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN));
+            let iov = [IoSlice::new(&hdr[hp..]), IoSlice::new(&data[dp..])];
+            match self.stream.try_write_vectored(&iov) {
+                Ok(n) => done += n,
+                Err(e) => break Err(e),
+            }
+        };
+        let rest =
+            (done < total).then(|| copy(done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN)));
+        self.release_direct(rest, res);
         Ok(())
     }
 
@@ -292,10 +338,7 @@ impl Shared {
                     }
                     while batch.len() < MAX_IOV {
                         match q.frames.pop_front() {
-                            Some(f) => {
-                                q.queued_bytes -= f.remaining();
-                                batch.push_back(f);
-                            }
+                            Some(f) => batch.push_back(f),
                             None => break,
                         }
                     }
@@ -354,18 +397,90 @@ impl Shared {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(_) => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if let Some(budget) = self.busy_poll {
-                        let start = *spin_start.get_or_insert_with(Instant::now);
-                        if start.elapsed() < budget {
-                            tokio::task::yield_now().await;
-                            continue;
-                        }
-                    }
-                    self.stream.readable().await?;
+                    self.wait_readable(&mut spin_start).await?;
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Read payload bytes `pos..need` from the socket with `read(pos)` (a
+    /// non-blocking read into the destination at `pos`), waiting as needed.
+    async fn read_rest(
+        &self,
+        mut pos: usize,
+        need: usize,
+        mut read: impl FnMut(usize) -> io::Result<usize>,
+    ) -> Result<()> {
+        let mut spin: Option<Instant> = None;
+        while pos < need {
+            match read(pos) {
+                Ok(0) => return Err(Error::Disconnected("peer closed the connection".into())),
+                Ok(n) => {
+                    pos += n;
+                    spin = None;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self
+                    .wait_readable(&mut spin)
+                    .await
+                    .map_err(|e| Error::Disconnected(format!("read failed: {e}")))?,
+                Err(e) => return Err(Error::Disconnected(format!("read failed: {e}"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive a large payload into a pooled buffer (no fresh allocation, no
+    /// copy beyond the kernel's for the part not yet buffered).
+    async fn read_pooled(&self, need: usize, buf: &mut BytesMut) -> Result<Bytes> {
+        let have = buf.len();
+        let mut dst = pool::take(need);
+        dst[..have].copy_from_slice(&buf.split_to(have));
+        self.read_rest(have, need, |pos| self.stream.try_read(&mut dst[pos..need]))
+            .await?;
+        Ok(pool::freeze(dst, need))
+    }
+
+    /// Receive a large write piece straight into the target region: what is
+    /// already buffered is copied, the rest goes from the socket to the region
+    /// with no intermediate buffer. A refused piece is drained and discarded.
+    async fn write_direct(&self, h: &Header, buf: &mut BytesMut) -> Result<()> {
+        let need = h.payload_len as usize;
+        let have = buf.len();
+        let head = buf.split_to(have);
+        let mut res = self.domain.remote_write(h.rkey, h.addr, h.a, h.b, &head);
+        let mut scratch = Vec::new();
+        self.read_rest(have, need, |pos| {
+            let left = (need - pos) as u64;
+            if res.is_ok() {
+                let at = h.b + pos as u64;
+                match self
+                    .domain
+                    .remote_write_with(h.rkey, h.addr, h.a, at, left, |dst| {
+                        self.stream.try_read(dst)
+                    }) {
+                    Ok(r) => return r,
+                    Err(e) => res = Err(e),
+                }
+            }
+            scratch.resize(left.min(READ_CHUNK as u64) as usize, 0);
+            self.stream.try_read(&mut scratch)
+        })
+        .await?;
+        self.stats.add(|s| &s.bytes_received, need as u64);
+        self.finish_write(h, res)
+    }
+
+    /// Wait for the socket to become readable, spinning first in busy-poll mode.
+    async fn wait_readable(&self, spin: &mut Option<Instant>) -> io::Result<()> {
+        if let Some(budget) = self.busy_poll {
+            let start = *spin.get_or_insert_with(Instant::now);
+            if start.elapsed() < budget {
+                tokio::task::yield_now().await;
+                return Ok(());
+            }
+        }
+        self.stream.readable().await
     }
 
     async fn reader(self: Arc<Self>) {
@@ -387,6 +502,18 @@ impl Shared {
             let h = Header::decode(&buf[..HEADER_LEN], self.ours.max_message)
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             let total = HEADER_LEN + h.payload_len as usize;
+            if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
+                buf.advance(HEADER_LEN);
+                if h.kind == Kind::Write {
+                    self.write_direct(&h, &mut buf).await?;
+                    continue;
+                }
+                let payload = self.read_pooled(h.payload_len as usize, &mut buf).await?;
+                if !self.handle(h, payload).await? {
+                    return Ok(());
+                }
+                continue;
+            }
             if buf.len() < total {
                 buf.reserve(total - buf.len());
                 while buf.len() < total {
@@ -422,25 +549,31 @@ impl Shared {
             Kind::Write => {
                 self.stats.add(|s| &s.bytes_received, payload.len() as u64);
                 let res = self.domain.remote_write(h.rkey, h.addr, h.a, h.b, &payload);
-                if res.is_ok() && h.flags & FLAG_IMM != 0 && h.flags & FLAG_LAST != 0 {
-                    self.deliver(
-                        Incoming::WriteImm {
-                            imm: h.imm,
-                            len: h.a,
-                        },
-                        0,
-                    )?;
-                }
-                self.respond(h.id, res.map(|()| (0, Bytes::new())))?;
+                self.finish_write(&h, res)?;
             }
             Kind::Read => {
+                let (len, mut resp) = (u64::from(h.imm), Header::new(Kind::Resp));
+                resp.id = h.id;
+                if h.a == 0 {
+                    // Zero-length: no checks, as on RDMA NICs (IBTA 9.7.5.1.3).
+                    self.served(Ok(()));
+                    self.enqueue(OutFrame::new(resp, Bytes::new()))?;
+                    return Ok(true);
+                }
+                // Written to the socket straight from the locked region when idle.
                 let res = self
                     .domain
-                    .remote_read(h.rkey, h.addr, h.a, h.b, u64::from(h.imm));
-                if let Ok(b) = &res {
-                    self.stats.add(|s| &s.bytes_sent, b.len() as u64);
+                    .remote_read_with(h.rkey, h.addr, h.a, h.b, len, |src| {
+                        self.enqueue_borrowed(resp, src)
+                    });
+                match res {
+                    Ok(sent) => {
+                        self.served(Ok(()));
+                        self.stats.add(|s| &s.bytes_sent, len);
+                        sent?;
+                    }
+                    Err(e) => self.respond(h.id, Err(e))?,
                 }
-                self.respond(h.id, res.map(|b| (0, b)))?;
             }
             Kind::Atomic => {
                 let op = if h.flags & FLAG_FAA != 0 {
@@ -486,23 +619,47 @@ impl Shared {
         Ok(())
     }
 
+    /// Count a served or refused remote access.
+    fn served(&self, res: std::result::Result<(), AccessError>) {
+        match res {
+            Ok(()) => self.stats.add(|s| &s.remote_ops_served, 1),
+            Err(e) => {
+                self.stats.add(|s| &s.remote_access_denied, 1);
+                tracing::debug!(error = %e, "refused remote access");
+            }
+        }
+    }
+
     fn respond(&self, id: u64, res: std::result::Result<(u64, Bytes), AccessError>) -> Result<()> {
         let mut h = Header::new(Kind::Resp);
         h.id = id;
+        self.served(res.as_ref().map(|_| ()).map_err(|e| *e));
         let payload = match res {
             Ok((value, payload)) => {
-                self.stats.add(|s| &s.remote_ops_served, 1);
                 h.a = value;
                 payload
             }
             Err(e) => {
-                self.stats.add(|s| &s.remote_access_denied, 1);
-                tracing::debug!(error = %e, "refused remote access");
                 h.status = e.code();
                 Bytes::new()
             }
         };
         self.enqueue(OutFrame::new(h, payload))
+    }
+
+    /// After a write piece: deliver the immediate if this was the last piece of
+    /// a write-with-immediate, and answer the requester.
+    fn finish_write(&self, h: &Header, res: std::result::Result<(), AccessError>) -> Result<()> {
+        if res.is_ok() && h.flags & FLAG_IMM != 0 && h.flags & FLAG_LAST != 0 {
+            self.deliver(
+                Incoming::WriteImm {
+                    imm: h.imm,
+                    len: h.a,
+                },
+                0,
+            )?;
+        }
+        self.respond(h.id, res.map(|()| (0, Bytes::new())))
     }
 
     // ------------------------------------------------------------- requesting

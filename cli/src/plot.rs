@@ -76,6 +76,7 @@ fn chart(
             (ymin / 2.0..ymax * 2.0).log_scale(),
         )?;
     c.configure_mesh()
+        .light_line_style(RGBColor(240, 240, 240))
         .x_desc("message size (bytes)")
         .y_desc(ylabel)
         .draw()?;

@@ -7,7 +7,7 @@ use thiserror::Error;
 /// Why a remote (or local) memory access was refused.
 ///
 /// These mirror the checks an RDMA NIC performs on every one-sided access
-/// (IBTA 9.7.5.1.3 / 10.6.7: R_Key, bounds, access rights).
+/// (R_Key, range and access rights; a violation is NAK 0x62, rocev2-reference §5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error, serde::Serialize, serde::Deserialize)]
 pub enum AccessError {
     /// The remote key names no region registered in the peer's domain.

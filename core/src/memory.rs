@@ -144,7 +144,7 @@ impl RemoteRegion {
     }
 }
 
-/// An atomic operation on a remote 8-byte word (IBTA 9.4.5).
+/// An atomic operation on a remote 8-byte word (AtomicETH, rocev2-reference §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AtomicOp {
     /// If the word equals `expected`, replace it with `new`. Returns the old value.
@@ -345,7 +345,8 @@ impl Domain {
     /// A transport may split one write into pieces; the whole operation's range
     /// is checked before any byte is stored, so a refused operation stores
     /// nothing. A zero-length operation succeeds without checks, as on RDMA NICs
-    /// (IBTA 9.7.5.1.3: R_Key is not validated for zero-length transfers).
+    /// (rocev2-reference §4: a zero-length RETH need not carry a valid VA/R_Key;
+    /// rxe `check_rkey` skips the lookup).
     pub fn remote_write(
         &self,
         rkey: u32,
@@ -466,7 +467,8 @@ impl Domain {
     /// Atomic with respect to every other remote atomic on the same domain,
     /// whichever connection carries it. The word is in native byte order.
     pub fn remote_atomic(&self, rkey: u32, addr: u64, op: AtomicOp) -> Result<u64, AccessError> {
-        // IBTA 9.4.5: atomics need a naturally aligned 64-bit VA.
+        // Atomics need an 8-byte-aligned VA; rxe NAKs others as Invalid Request
+        // (rocev2-reference §4).
         if addr % 8 != 0 {
             return Err(AccessError::Misaligned);
         }

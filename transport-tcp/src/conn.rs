@@ -30,7 +30,7 @@ use crate::pool;
 const MAX_IOV: usize = 64;
 /// Read bytes one connection may have outstanding. This bounds what the peer
 /// must queue for our read responses, as RDMA bounds outstanding READs
-/// (IBTA 9.5: max_rd_atomic), so no responder needs to stop reading its socket.
+/// (the QP attribute max_rd_atomic), so no responder needs to stop reading its socket.
 const READ_OUTSTANDING: usize = 64 << 20;
 /// Payloads at least this large are read from the socket straight into their
 /// destination: the target region (writes) or a pooled buffer (messages,
@@ -555,7 +555,7 @@ impl Shared {
                 let (len, mut resp) = (u64::from(h.imm), Header::new(Kind::Resp));
                 resp.id = h.id;
                 if h.a == 0 {
-                    // Zero-length: no checks, as on RDMA NICs (IBTA 9.7.5.1.3).
+                    // Zero-length: no checks, as on RDMA NICs (rocev2-reference §4; rxe check_rkey).
                     self.served(Ok(()));
                     self.enqueue(OutFrame::new(resp, Bytes::new()))?;
                     return Ok(true);

@@ -2,10 +2,12 @@
 //!
 //! * `rdmx perf` — perftest-style latency and bandwidth for any transport,
 //!   against a peer (`server` / `client URL`) or on this host (`--loopback`).
+//! * `rdmx pcap check` — verify every RoCEv2 packet of a capture.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod pcap;
 mod perf;
 mod plot;
 mod raw;
@@ -23,7 +25,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Measure latency and bandwidth of send, write, read, cas and faa.
-    Perf(perf::PerfArgs),
+    Perf(Box<perf::PerfArgs>),
+    /// Inspect RoCEv2 captures.
+    Pcap(pcap::PcapArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,7 +49,8 @@ fn main() -> std::process::ExitCode {
     let res = rt.block_on(async {
         tokio::spawn(async move {
             match cli.cmd {
-                Cmd::Perf(a) => perf::run(a).await,
+                Cmd::Perf(a) => perf::run(*a).await,
+                Cmd::Pcap(a) => pcap::run(a),
             }
         })
         .await

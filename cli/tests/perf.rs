@@ -192,3 +192,50 @@ fn unknown_transport_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not built into this rdmx"));
 }
+
+fn captures() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/rocev2-captures")
+}
+
+#[test]
+fn pcap_check_passes_real_captures_and_fails_corrupt_ones() {
+    let hns = captures().join("hns_roce_rc_send_oferby_proxy.pcap");
+    let out = rdmx().args(["pcap", "check"]).arg(&hns).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("123 frames, 105 RoCEv2 (105 ok, 0 bad), 18 other"),
+        "{text}"
+    );
+    assert!(text.contains("SEND_LAST_WITH_IMMEDIATE"));
+
+    // Flip one payload bit of the first RoCEv2 frame: the ICRC must catch it.
+    let mut bytes = std::fs::read(&hns).unwrap();
+    let frames = rdmx_roce_proto::pcap::read_capture(&bytes[..]).unwrap();
+    let first = frames
+        .iter()
+        .position(|c| {
+            rdmx_roce_proto::RoceFrame::parse(&c.data)
+                .ok()
+                .flatten()
+                .is_some()
+        })
+        .unwrap();
+    // Locate that frame's bytes in the file and flip a bit inside its BTH payload area.
+    let needle = &frames[first].data;
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == &needle[..])
+        .unwrap();
+    bytes[at + needle.len() - 10] ^= 0x04;
+    let bad = std::env::temp_dir().join(format!("rdmx-bad-{}.pcap", std::process::id()));
+    std::fs::write(&bad, &bytes).unwrap();
+    let out = rdmx().args(["pcap", "check"]).arg(&bad).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("ICRC mismatch") && text.contains("(104 ok, 1 bad)"),
+        "{text}"
+    );
+    std::fs::remove_file(bad).unwrap();
+}

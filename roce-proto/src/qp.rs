@@ -1,0 +1,1377 @@
+//! A sans-IO RC queue pair: requester, responder and completer (the split of
+//! Linux rxe), driven by the caller with packets, time and work requests.
+//!
+//! ```text
+//! post_send / post_recv  ─┐                 ┌─> poll_completion
+//! handle_packet(now, ..) ─┼─>  Qp  (state) ─┼─> poll_transmit(now)
+//! handle_timeout(now)    ─┘                 └─> poll_timeout()
+//! ```
+//!
+//! Time is a caller-supplied nanosecond counter; the engine has no clock.
+//! Loss recovery is go-back-N (rocev2-reference §7).
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::memory::{Atomic, MemError, Memory, Need};
+use crate::opcode::Opcode;
+use crate::packet::{rnr_delay_us, Aeth, AtomicEth, Bth, NakCode, Packet, Reth, Syndrome};
+use crate::psn;
+
+/// Queue pair states (the verbs state machine, reduced to what RC uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    /// Just created.
+    Reset,
+    /// Receives may be posted.
+    Init,
+    /// Ready to receive: the responder runs.
+    Rtr,
+    /// Ready to send: requester and responder run.
+    Rts,
+    /// Failed: everything outstanding was flushed.
+    Error,
+}
+
+/// Connection parameters (what `ibv_modify_qp` sets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpConfig {
+    /// Path MTU: 256, 512, 1024, 2048 or 4096 (rocev2-reference §8).
+    pub pmtu: u32,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout; 0 disables (§7).
+    pub timeout: u8,
+    /// Retries on timeout or sequence NAK before failing (3 bits; 7 is counted
+    /// like any other value, unlike rxe's quirk, rocev2-reference §7).
+    pub retry_cnt: u8,
+    /// Retries on RNR NAK before failing; 7 = infinite (3 bits).
+    pub rnr_retry: u8,
+    /// RNR timer code the responder puts in its RNR NAKs (§5).
+    pub min_rnr_timer: u8,
+    /// Outstanding READ/atomic requests (max_rd_atomic).
+    pub max_rd_atomic: u32,
+    /// Unacknowledged PSNs before the requester pauses (rxe: 128).
+    pub max_unacked: u32,
+    /// The requester asks for an ACK at least every this many packets (rxe: 64).
+    pub ack_every: u32,
+}
+
+impl Default for QpConfig {
+    fn default() -> Self {
+        QpConfig {
+            pmtu: 1024,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 1,
+            max_rd_atomic: 16,
+            max_unacked: 128,
+            ack_every: 64,
+        }
+    }
+}
+
+impl QpConfig {
+    /// The local ACK timeout in nanoseconds (`None` when disabled).
+    pub fn ack_timeout_ns(&self) -> Option<u64> {
+        (self.timeout != 0).then(|| 4096u64 << self.timeout.min(31))
+    }
+}
+
+/// A send-queue work request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkRequest {
+    /// Two-sided send, optionally with immediate data or an R_Key to invalidate.
+    Send {
+        /// Message.
+        data: Bytes,
+        /// Immediate data.
+        imm: Option<u32>,
+        /// R_Key for the peer to invalidate.
+        invalidate: Option<u32>,
+    },
+    /// RDMA WRITE (with immediate: consumes a receive at the peer).
+    Write {
+        /// Data.
+        data: Bytes,
+        /// Remote address.
+        va: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// RDMA READ; the data comes back in the completion.
+    Read {
+        /// Remote address.
+        va: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Bytes to read.
+        len: u32,
+    },
+    /// Atomic on a remote 8-byte word; the original value comes back.
+    Atomic {
+        /// Remote address (8-byte aligned).
+        va: u64,
+        /// Remote key.
+        rkey: u32,
+        /// The operation.
+        op: Atomic,
+    },
+}
+
+/// Completion status (a subset of `ibv_wc_status`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcStatus {
+    /// Done.
+    Success,
+    /// A message did not fit the posted receive.
+    LocalLengthError,
+    /// The peer NAKed the request as invalid (0x61).
+    RemoteInvalidRequest,
+    /// The peer refused the memory access (0x62).
+    RemoteAccessError,
+    /// The peer failed to execute (0x63).
+    RemoteOperationalError,
+    /// No ACK after `retry_cnt` retries: peer unreachable, wrong address, or MTU mismatch.
+    RetryExceeded,
+    /// The peer had no receive posted after `rnr_retry` retries.
+    RnrRetryExceeded,
+    /// Flushed because the QP went to the error state.
+    Flushed,
+}
+
+/// What a completion completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcOpcode {
+    /// A send.
+    Send,
+    /// An RDMA WRITE.
+    Write,
+    /// An RDMA READ.
+    Read,
+    /// A compare-and-swap.
+    CompareSwap,
+    /// A fetch-and-add.
+    FetchAdd,
+    /// A received message.
+    Recv,
+    /// A received write-with-immediate.
+    RecvWriteImm,
+}
+
+/// A work completion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// Kind.
+    pub opcode: WcOpcode,
+    /// Bytes moved.
+    pub byte_len: u64,
+    /// Received message, or read data.
+    pub data: Bytes,
+    /// Immediate data received.
+    pub imm: Option<u32>,
+    /// R_Key the sender asked us to invalidate.
+    pub invalidate: Option<u32>,
+    /// Original value of an atomic.
+    pub atomic_orig: Option<u64>,
+}
+
+impl Completion {
+    fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: 0,
+            data: Bytes::new(),
+            imm: None,
+            invalidate: None,
+            atomic_orig: None,
+        }
+    }
+}
+
+/// Why a call was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QpError {
+    /// The QP is not in a state that allows this.
+    #[error("QP is in state {0:?}")]
+    State(QpState),
+    /// A write-with-immediate or read larger than 2^31 bytes.
+    #[error("message too large")]
+    TooLarge,
+}
+
+/// Counters of protocol events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpStats {
+    /// Packets sent (including retransmissions).
+    pub packets_sent: u64,
+    /// Packets retransmitted.
+    pub retransmits: u64,
+    /// Go-back-N rewinds (timeouts and sequence NAKs).
+    pub rewinds: u64,
+    /// Local ACK timeouts.
+    pub timeouts: u64,
+    /// NAKs received.
+    pub naks_received: u64,
+    /// RNR NAKs received.
+    pub rnr_naks_received: u64,
+    /// NAKs sent.
+    pub naks_sent: u64,
+    /// RNR NAKs sent.
+    pub rnr_naks_sent: u64,
+    /// Duplicate requests seen by the responder.
+    pub duplicates: u64,
+    /// Packets dropped as out of place (wrong PSN or opcode for the state).
+    pub dropped: u64,
+}
+
+// ------------------------------------------------------------------ requester
+
+#[derive(Debug)]
+struct SendWqe {
+    wr_id: u64,
+    wr: WorkRequest,
+    first_psn: u32,
+    /// PSNs the request occupies (READ: one per response packet).
+    npkts: u32,
+    read_buf: BytesMut,
+    read_next: u32,
+    /// PSN of the READ request currently answering (a resumed read starts later).
+    round_start: u32,
+    done: Option<(WcStatus, Option<u64>)>,
+    /// Highest packet index sent so far (to count retransmissions).
+    sent_upto: u32,
+}
+
+impl SendWqe {
+    fn last_psn(&self) -> u32 {
+        psn::add(self.first_psn, self.npkts - 1)
+    }
+
+    fn needs_response(&self) -> bool {
+        matches!(
+            self.wr,
+            WorkRequest::Read { .. } | WorkRequest::Atomic { .. }
+        )
+    }
+
+    fn opcode(&self) -> WcOpcode {
+        match &self.wr {
+            WorkRequest::Send { .. } => WcOpcode::Send,
+            WorkRequest::Write { .. } => WcOpcode::Write,
+            WorkRequest::Read { .. } => WcOpcode::Read,
+            WorkRequest::Atomic {
+                op: Atomic::CompareSwap { .. },
+                ..
+            } => WcOpcode::CompareSwap,
+            WorkRequest::Atomic { .. } => WcOpcode::FetchAdd,
+        }
+    }
+}
+
+// ------------------------------------------------------------------ responder
+
+#[derive(Debug)]
+struct RecvWqe {
+    wr_id: u64,
+    max_len: usize,
+}
+
+#[derive(Debug)]
+enum OpenMessage {
+    Send { wqe: RecvWqe, buf: BytesMut },
+    Write { reth: Reth, offset: u64 },
+}
+
+#[derive(Clone, Debug)]
+enum Resource {
+    Read {
+        first_psn: u32,
+        npkts: u32,
+        reth: Reth,
+    },
+    Atomic {
+        psn: u32,
+        orig: u64,
+    },
+}
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub struct Qp {
+    cfg: QpConfig,
+    state: QpState,
+    local_qpn: u32,
+    remote_qpn: u32,
+    stats: QpStats,
+    completions: VecDeque<Completion>,
+
+    // requester
+    sq: VecDeque<SendWqe>,
+    next_psn: u32,
+    /// Index in `sq` of the WQE being transmitted, and the packet within it.
+    tx_wqe: usize,
+    tx_pkt: u32,
+    /// Oldest unacknowledged PSN.
+    una: u32,
+    pkts_since_ackreq: u32,
+    retry_left: u8,
+    rnr_left: u8,
+    retry_deadline: Option<u64>,
+    rnr_until: Option<u64>,
+
+    // responder
+    epsn: u32,
+    msn: u32,
+    rq: VecDeque<RecvWqe>,
+    open: Option<OpenMessage>,
+    nak_sent: bool,
+    resources: VecDeque<Resource>,
+    pending_ack: Option<u32>,
+    resp_tx: VecDeque<Packet>,
+}
+
+fn mem_nak(e: MemError) -> NakCode {
+    match e {
+        MemError::Misaligned => NakCode::InvalidRequest,
+        _ => NakCode::RemoteAccessError,
+    }
+}
+
+fn nak_syndrome(code: NakCode) -> u8 {
+    0x60 | match code {
+        NakCode::PsnSequenceError => 0,
+        NakCode::InvalidRequest => 1,
+        NakCode::RemoteAccessError => 2,
+        NakCode::RemoteOperationalError => 3,
+        NakCode::Other(v) => v & 0x1F,
+    }
+}
+
+impl Qp {
+    /// A QP in the RESET state.
+    pub fn new(cfg: QpConfig, local_qpn: u32) -> Qp {
+        Qp {
+            cfg,
+            state: QpState::Reset,
+            local_qpn,
+            remote_qpn: 0,
+            stats: QpStats::default(),
+            completions: VecDeque::new(),
+            sq: VecDeque::new(),
+            next_psn: 0,
+            tx_wqe: 0,
+            tx_pkt: 0,
+            una: 0,
+            pkts_since_ackreq: 0,
+            retry_left: cfg.retry_cnt,
+            rnr_left: cfg.rnr_retry,
+            retry_deadline: None,
+            rnr_until: None,
+            epsn: 0,
+            msn: 0,
+            rq: VecDeque::new(),
+            open: None,
+            nak_sent: false,
+            resources: VecDeque::new(),
+            pending_ack: None,
+            resp_tx: VecDeque::new(),
+        }
+    }
+
+    /// RESET → INIT.
+    pub fn to_init(&mut self) -> Result<(), QpError> {
+        self.expect(QpState::Reset)?;
+        self.state = QpState::Init;
+        Ok(())
+    }
+
+    /// INIT → RTR: the peer's QPN and the PSN it will start sending with.
+    pub fn to_rtr(&mut self, remote_qpn: u32, rq_psn: u32) -> Result<(), QpError> {
+        self.expect(QpState::Init)?;
+        self.remote_qpn = remote_qpn & psn::PSN_MASK;
+        self.epsn = rq_psn & psn::PSN_MASK;
+        self.state = QpState::Rtr;
+        Ok(())
+    }
+
+    /// RTR → RTS: the PSN we start sending with.
+    pub fn to_rts(&mut self, sq_psn: u32) -> Result<(), QpError> {
+        self.expect(QpState::Rtr)?;
+        self.next_psn = sq_psn & psn::PSN_MASK;
+        self.una = self.next_psn;
+        self.state = QpState::Rts;
+        Ok(())
+    }
+
+    /// RESET → RTS in one step.
+    pub fn connect(&mut self, remote_qpn: u32, sq_psn: u32, rq_psn: u32) -> Result<(), QpError> {
+        self.to_init()?;
+        self.to_rtr(remote_qpn, rq_psn)?;
+        self.to_rts(sq_psn)
+    }
+
+    fn expect(&self, s: QpState) -> Result<(), QpError> {
+        if self.state == s {
+            Ok(())
+        } else {
+            Err(QpError::State(self.state))
+        }
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+
+    /// Our QP number.
+    pub fn qpn(&self) -> u32 {
+        self.local_qpn
+    }
+
+    /// Protocol counters.
+    pub fn stats(&self) -> QpStats {
+        self.stats
+    }
+
+    /// Work requests posted and not yet completed.
+    pub fn outstanding(&self) -> usize {
+        self.sq.len()
+    }
+
+    /// Post a receive able to hold `max_len` bytes.
+    pub fn post_recv(&mut self, wr_id: u64, max_len: usize) -> Result<(), QpError> {
+        match self.state {
+            QpState::Init | QpState::Rtr | QpState::Rts => {
+                self.rq.push_back(RecvWqe { wr_id, max_len });
+                Ok(())
+            }
+            s => Err(QpError::State(s)),
+        }
+    }
+
+    /// Post a send-queue work request.
+    pub fn post_send(&mut self, wr_id: u64, wr: WorkRequest) -> Result<(), QpError> {
+        self.expect(QpState::Rts)?;
+        let pmtu = self.cfg.pmtu as usize;
+        let segs = |len: usize| len.div_ceil(pmtu).max(1) as u32;
+        let npkts = match &wr {
+            WorkRequest::Send { data, .. } | WorkRequest::Write { data, .. } => {
+                if data.len() > 1 << 31 {
+                    return Err(QpError::TooLarge);
+                }
+                segs(data.len())
+            }
+            WorkRequest::Read { len, .. } => {
+                if *len > 1 << 31 {
+                    return Err(QpError::TooLarge);
+                }
+                segs(*len as usize)
+            }
+            WorkRequest::Atomic { .. } => 1,
+        };
+        let first_psn = self.next_psn;
+        self.next_psn = psn::add(self.next_psn, npkts);
+        self.sq.push_back(SendWqe {
+            wr_id,
+            wr,
+            first_psn,
+            npkts,
+            read_buf: BytesMut::new(),
+            read_next: first_psn,
+            round_start: first_psn,
+            done: None,
+            sent_upto: 0,
+        });
+        Ok(())
+    }
+
+    /// The next completion, in order per queue.
+    pub fn poll_completion(&mut self) -> Option<Completion> {
+        self.completions.pop_front()
+    }
+
+    /// When [`Qp::handle_timeout`] should be called next.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        match (self.retry_deadline, self.rnr_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    // ------------------------------------------------------------- transmit
+
+    /// The next packet to send, if any (responses first, then requests).
+    pub fn poll_transmit(&mut self, now: u64) -> Option<Packet> {
+        if self.state == QpState::Reset {
+            return None;
+        }
+        if let Some(p) = self.resp_tx.pop_front() {
+            self.stats.packets_sent += 1;
+            return Some(p);
+        }
+        if self.state == QpState::Error {
+            return None;
+        }
+        if let Some(psn) = self.pending_ack.take() {
+            self.stats.packets_sent += 1;
+            return Some(self.ack_packet(psn, 0x1F));
+        }
+        if self.state != QpState::Rts {
+            return None;
+        }
+        let p = self.next_request(now)?;
+        self.stats.packets_sent += 1;
+        if self.retry_deadline.is_none() {
+            self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + t);
+        }
+        Some(p)
+    }
+
+    fn ack_packet(&self, psn: u32, syndrome: u8) -> Packet {
+        let mut p = Packet::new(Bth::new(Opcode::ACKNOWLEDGE, self.remote_qpn, psn));
+        p.aeth = Some(Aeth {
+            syndrome,
+            msn: self.msn & psn::PSN_MASK,
+        });
+        p
+    }
+
+    fn next_request(&mut self, now: u64) -> Option<Packet> {
+        if self.rnr_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        self.rnr_until = None;
+        let wqe = self.sq.get(self.tx_wqe)?;
+        let psn = psn::add(wqe.first_psn, self.tx_pkt);
+        // Window: unacknowledged PSNs (rxe RXE_MAX_UNACKED_PSNS).
+        if psn::diff(psn, self.una) >= self.cfg.max_unacked as i32 {
+            return None;
+        }
+        // Outstanding READ/atomic limit (max_rd_atomic), counted before this one.
+        if wqe.needs_response() && self.tx_pkt == 0 {
+            let outstanding = self
+                .sq
+                .iter()
+                .take(self.tx_wqe)
+                .filter(|w| w.needs_response() && w.done.is_none())
+                .count();
+            if outstanding >= self.cfg.max_rd_atomic as usize {
+                return None;
+            }
+        }
+        let pmtu = self.cfg.pmtu as usize;
+        let idx = self.tx_pkt;
+        let last = idx + 1 == wqe.npkts;
+        let first = idx == 0;
+        let mut pkt = Packet::new(Bth::new(Opcode::SEND_ONLY, self.remote_qpn, psn));
+        let seg = |data: &Bytes| {
+            let start = idx as usize * pmtu;
+            data.slice(start..(start + pmtu).min(data.len()))
+        };
+        let mut advance = 1;
+        match &wqe.wr {
+            WorkRequest::Send {
+                data,
+                imm,
+                invalidate,
+            } => {
+                pkt.bth.opcode = match (first, last, imm.is_some(), invalidate.is_some()) {
+                    (true, true, true, _) => Opcode::SEND_ONLY_WITH_IMMEDIATE,
+                    (true, true, _, true) => Opcode::SEND_ONLY_WITH_INVALIDATE,
+                    (true, true, _, _) => Opcode::SEND_ONLY,
+                    (true, false, ..) => Opcode::SEND_FIRST,
+                    (false, false, ..) => Opcode::SEND_MIDDLE,
+                    (false, true, true, _) => Opcode::SEND_LAST_WITH_IMMEDIATE,
+                    (false, true, _, true) => Opcode::SEND_LAST_WITH_INVALIDATE,
+                    (false, true, _, _) => Opcode::SEND_LAST,
+                };
+                if last {
+                    pkt.imm = *imm;
+                    pkt.ieth = if imm.is_none() { *invalidate } else { None };
+                }
+                pkt.payload = seg(data);
+            }
+            WorkRequest::Write {
+                data,
+                va,
+                rkey,
+                imm,
+            } => {
+                pkt.bth.opcode = match (first, last, imm.is_some()) {
+                    (true, true, true) => Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                    (true, true, false) => Opcode::RDMA_WRITE_ONLY,
+                    (true, false, _) => Opcode::RDMA_WRITE_FIRST,
+                    (false, false, _) => Opcode::RDMA_WRITE_MIDDLE,
+                    (false, true, true) => Opcode::RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                    (false, true, false) => Opcode::RDMA_WRITE_LAST,
+                };
+                if first {
+                    pkt.reth = Some(Reth {
+                        va: *va,
+                        rkey: *rkey,
+                        dma_len: data.len() as u32,
+                    });
+                }
+                if last {
+                    pkt.imm = *imm;
+                }
+                pkt.payload = seg(data);
+            }
+            WorkRequest::Read { va, rkey, len } => {
+                // One request covers the read's remaining PSNs (rocev2-reference
+                // §6). A retried read resumes after the responses already
+                // received: VA advanced, length reduced (§7, rxe req_retry).
+                let done = idx as u64 * pmtu as u64;
+                pkt.bth.opcode = Opcode::RDMA_READ_REQUEST;
+                pkt.reth = Some(Reth {
+                    va: va + done,
+                    rkey: *rkey,
+                    dma_len: (u64::from(*len) - done.min(u64::from(*len))) as u32,
+                });
+                advance = wqe.npkts - idx;
+            }
+            WorkRequest::Atomic { va, rkey, op } => {
+                let (opcode, swap_add, compare) = match *op {
+                    Atomic::CompareSwap { compare, swap } => (Opcode::COMPARE_SWAP, swap, compare),
+                    Atomic::FetchAdd { add } => (Opcode::FETCH_ADD, add, 0),
+                };
+                pkt.bth.opcode = opcode;
+                pkt.atomic_eth = Some(AtomicEth {
+                    va: *va,
+                    rkey: *rkey,
+                    swap_add,
+                    compare,
+                });
+            }
+        }
+        // AckReq on the last packet of a message and at least every `ack_every`
+        // packets (rocev2-reference §6); reads and atomics are always answered.
+        self.pkts_since_ackreq += 1;
+        if last || self.pkts_since_ackreq >= self.cfg.ack_every || wqe.needs_response() {
+            pkt.bth.ack_req = true;
+            self.pkts_since_ackreq = 0;
+        }
+        pkt.finish();
+        let wqe = &mut self.sq[self.tx_wqe];
+        if idx < wqe.sent_upto {
+            self.stats.retransmits += 1;
+        } else {
+            wqe.sent_upto = idx + 1;
+        }
+        self.tx_pkt += advance;
+        if self.tx_pkt >= wqe.npkts {
+            self.tx_wqe += 1;
+            self.tx_pkt = 0;
+        }
+        Some(pkt)
+    }
+
+    /// Go back to `psn` and resend everything from there (rocev2-reference §7).
+    fn rewind(&mut self, psn: u32) {
+        self.stats.rewinds += 1;
+        let Some(i) = self.sq.iter().position(|w| {
+            w.done.is_none()
+                && psn::diff(psn, w.first_psn) >= 0
+                && psn::diff(psn, w.last_psn()) <= 0
+        }) else {
+            // Nothing outstanding at that PSN: resume after the last done WQE.
+            self.tx_wqe = self
+                .sq
+                .iter()
+                .position(|w| w.done.is_none())
+                .unwrap_or(self.sq.len());
+            self.tx_pkt = 0;
+            return;
+        };
+        let w = &mut self.sq[i];
+        self.tx_wqe = i;
+        self.tx_pkt = match w.wr {
+            // A read resumes at its first missing response.
+            WorkRequest::Read { .. } => {
+                w.round_start = w.read_next;
+                psn::diff(w.read_next, w.first_psn) as u32
+            }
+            WorkRequest::Atomic { .. } => 0,
+            _ => psn::diff(psn, w.first_psn) as u32,
+        };
+    }
+
+    // -------------------------------------------------------------- receive
+
+    /// Process one received packet addressed to this QP.
+    pub fn handle_packet(&mut self, now: u64, pkt: &Packet, mem: &mut dyn Memory) {
+        if pkt.bth.dest_qp != self.local_qpn {
+            self.stats.dropped += 1;
+            return;
+        }
+        match self.state {
+            QpState::Rtr | QpState::Rts => {}
+            _ => return,
+        }
+        if pkt.bth.opcode.is_request() {
+            self.responder(pkt, mem);
+        } else if self.state == QpState::Rts {
+            self.completer(now, pkt);
+        }
+    }
+
+    /// Handle expired timers.
+    pub fn handle_timeout(&mut self, now: u64) {
+        if self.rnr_until.is_some_and(|t| now >= t) {
+            self.rnr_until = None;
+        }
+        let Some(deadline) = self.retry_deadline else {
+            return;
+        };
+        if now < deadline || self.state != QpState::Rts {
+            return;
+        }
+        if self.sq.iter().all(|w| w.done.is_some()) {
+            self.retry_deadline = None;
+            return;
+        }
+        self.stats.timeouts += 1;
+        if self.retry_left == 0 {
+            self.fail_front(WcStatus::RetryExceeded);
+            return;
+        }
+        self.retry_left -= 1;
+        self.rewind(self.una);
+        self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + t);
+    }
+
+    // ------------------------------------------------------------ completer
+
+    fn progress(&mut self, now: u64) {
+        self.retry_left = self.cfg.retry_cnt;
+        self.rnr_left = self.cfg.rnr_retry;
+        let outstanding = self.sq.iter().any(|w| w.done.is_none());
+        self.retry_deadline = outstanding
+            .then(|| self.cfg.ack_timeout_ns().map(|t| now + t))
+            .flatten();
+        self.deliver_done();
+    }
+
+    /// Move finished WQEs at the head of the send queue to the completion queue.
+    fn deliver_done(&mut self) {
+        while self.sq.front().is_some_and(|w| w.done.is_some()) {
+            let w = self.sq.pop_front().expect("front");
+            self.tx_wqe = self.tx_wqe.saturating_sub(1);
+            let (status, orig) = w.done.expect("done");
+            let mut c = Completion::new(w.wr_id, status, w.opcode());
+            c.atomic_orig = orig;
+            c.byte_len = match &w.wr {
+                WorkRequest::Send { data, .. } | WorkRequest::Write { data, .. } => {
+                    data.len() as u64
+                }
+                WorkRequest::Read { len, .. } => u64::from(*len),
+                WorkRequest::Atomic { .. } => 8,
+            };
+            if matches!(w.wr, WorkRequest::Read { .. }) {
+                c.data = w.read_buf.freeze();
+            }
+            self.completions.push_back(c);
+        }
+    }
+
+    /// Everything up to and including `psn` is acknowledged. Returns false if a
+    /// READ/atomic in that range has no response yet (its response was lost).
+    fn implicit_ack(&mut self, psn: u32) -> bool {
+        if psn::diff(psn, self.una) < 0 {
+            return true; // stale
+        }
+        for w in self.sq.iter_mut() {
+            if w.done.is_some() {
+                continue;
+            }
+            if psn::diff(psn, w.first_psn) < 0 {
+                break;
+            }
+            if w.needs_response() {
+                return false;
+            }
+            if psn::diff(psn, w.last_psn()) >= 0 {
+                w.done = Some((WcStatus::Success, None));
+                self.una = psn::add(w.last_psn(), 1);
+            } else {
+                self.una = psn::add(psn, 1);
+                break;
+            }
+        }
+        true
+    }
+
+    /// A NAK at `p` acknowledges everything before `p`. Returns true if that
+    /// was progress (and resets the retry state accordingly).
+    fn nak_acks(&mut self, now: u64, p: u32) -> bool {
+        let before = self.una;
+        self.implicit_ack(psn::add(p, psn::PSN_MASK));
+        if self.una != before {
+            self.progress(now);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn completer(&mut self, now: u64, pkt: &Packet) {
+        let p = pkt.bth.psn;
+        let op = pkt.bth.opcode;
+        match op {
+            Opcode::ACKNOWLEDGE => {
+                let Some(aeth) = pkt.aeth else { return };
+                match aeth.kind() {
+                    Syndrome::Ack { .. } => {
+                        let before = self.una;
+                        // An ACK beyond a READ/atomic still waiting for its response
+                        // stops at it: over UDP the response may just be late
+                        // (reordered); gap detection and the timer recover real loss.
+                        self.implicit_ack(p);
+                        if self.una != before {
+                            self.progress(now);
+                        }
+                    }
+                    Syndrome::RnrNak { timer } => {
+                        self.stats.rnr_naks_received += 1;
+                        self.nak_acks(now, p);
+                        if self.rnr_left == 0 {
+                            self.fail_front(WcStatus::RnrRetryExceeded);
+                            return;
+                        }
+                        if self.cfg.rnr_retry != 7 {
+                            self.rnr_left -= 1;
+                        }
+                        self.rnr_until = Some(now + u64::from(rnr_delay_us(timer)) * 1000);
+                        self.rewind(p);
+                        self.deliver_done();
+                    }
+                    Syndrome::Nak(NakCode::PsnSequenceError) => {
+                        self.stats.naks_received += 1;
+                        // A NAK that acknowledges new packets is progress. A NAK
+                        // beyond a READ/atomic still in progress moves nothing but
+                        // says nothing about the oldest request either. Only a NAK
+                        // at our oldest unacknowledged PSN uses up a retry.
+                        if !self.nak_acks(now, p) && p == self.una {
+                            if self.retry_left == 0 {
+                                self.fail_front(WcStatus::RetryExceeded);
+                                return;
+                            }
+                            self.retry_left -= 1;
+                        }
+                        self.rewind(p);
+                    }
+                    Syndrome::Nak(code) => {
+                        self.stats.naks_received += 1;
+                        self.nak_acks(now, p);
+                        let status = match code {
+                            NakCode::InvalidRequest => WcStatus::RemoteInvalidRequest,
+                            NakCode::RemoteAccessError => WcStatus::RemoteAccessError,
+                            _ => WcStatus::RemoteOperationalError,
+                        };
+                        self.fail_front(status);
+                    }
+                    Syndrome::Reserved(_) => self.stats.dropped += 1,
+                }
+            }
+            Opcode::ATOMIC_ACKNOWLEDGE => {
+                if !self.implicit_ack(psn::add(p, psn::PSN_MASK)) {
+                    // An earlier READ/atomic is still waiting; this answer is early
+                    // (reordered). Drop it: the responder replays it on retry.
+                    self.stats.dropped += 1;
+                    return;
+                }
+                let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) else {
+                    self.stats.dropped += 1;
+                    return;
+                };
+                if !matches!(w.wr, WorkRequest::Atomic { .. }) || w.first_psn != p {
+                    self.stats.dropped += 1;
+                    return;
+                }
+                w.done = Some((WcStatus::Success, pkt.atomic_ack));
+                self.una = psn::add(p, 1);
+                self.progress(now);
+            }
+            Opcode::RDMA_READ_RESPONSE_FIRST
+            | Opcode::RDMA_READ_RESPONSE_MIDDLE
+            | Opcode::RDMA_READ_RESPONSE_LAST
+            | Opcode::RDMA_READ_RESPONSE_ONLY => self.read_response(now, pkt),
+            _ => self.stats.dropped += 1,
+        }
+    }
+
+    fn read_response(&mut self, now: u64, pkt: &Packet) {
+        let p = pkt.bth.psn;
+        let op = pkt.bth.opcode;
+        let pmtu = self.cfg.pmtu as usize;
+        // Responses implicitly acknowledge everything before the read.
+        let front_read = self.sq.iter().position(|w| w.done.is_none());
+        if let Some(i) = front_read {
+            if !self.sq[i].needs_response() && !self.implicit_ack(psn::add(p, psn::PSN_MASK)) {
+                self.stats.dropped += 1;
+                return;
+            }
+        }
+        let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) else {
+            self.stats.dropped += 1;
+            return;
+        };
+        let WorkRequest::Read { len, .. } = w.wr else {
+            self.stats.dropped += 1;
+            return;
+        };
+        if p != w.read_next || psn::diff(p, w.first_psn) < 0 || psn::diff(p, w.last_psn()) > 0 {
+            // Out of place: a gap (loss or reordering) or a late copy from an
+            // earlier round of this read. Replayed responses reuse their PSNs, so
+            // a gap cannot tell loss from lateness: the local ACK timeout
+            // recovers a lost response (rocev2-reference §7).
+            self.stats.dropped += 1;
+            return;
+        }
+        let idx = psn::diff(p, w.first_psn) as u32;
+        let is_last = idx + 1 == w.npkts;
+        // Opcodes count from the request that is answering (a resumed read's
+        // responses start again with FIRST or ONLY).
+        let expected = match (p == w.round_start, is_last) {
+            (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
+            (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,
+            (false, false) => Opcode::RDMA_READ_RESPONSE_MIDDLE,
+            (false, true) => Opcode::RDMA_READ_RESPONSE_LAST,
+        };
+        let want_len = if is_last {
+            len as usize - idx as usize * pmtu
+        } else {
+            pmtu
+        };
+        if op != expected || pkt.payload.len() != want_len {
+            self.stats.dropped += 1;
+            return;
+        }
+        w.read_buf.extend_from_slice(&pkt.payload);
+        w.read_next = psn::add(p, 1);
+        if is_last {
+            w.done = Some((WcStatus::Success, None));
+            self.una = psn::add(p, 1);
+        }
+        self.progress(now);
+    }
+
+    /// Complete the oldest outstanding WQE with `status`, then go to ERROR.
+    fn fail_front(&mut self, status: WcStatus) {
+        if let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) {
+            w.done = Some((status, None));
+        }
+        self.deliver_done();
+        self.enter_error();
+    }
+
+    /// Move to ERROR: flush every outstanding work request (rocev2-reference §7).
+    pub fn enter_error(&mut self) {
+        if self.state == QpState::Error {
+            return;
+        }
+        self.state = QpState::Error;
+        for w in self.sq.iter_mut() {
+            if w.done.is_none() {
+                w.done = Some((WcStatus::Flushed, None));
+            }
+        }
+        self.deliver_done();
+        if let Some(OpenMessage::Send { wqe, .. }) = self.open.take() {
+            self.completions.push_back(Completion::new(
+                wqe.wr_id,
+                WcStatus::Flushed,
+                WcOpcode::Recv,
+            ));
+        }
+        while let Some(r) = self.rq.pop_front() {
+            self.completions
+                .push_back(Completion::new(r.wr_id, WcStatus::Flushed, WcOpcode::Recv));
+        }
+        self.retry_deadline = None;
+        self.rnr_until = None;
+        self.pending_ack = None;
+    }
+
+    // ------------------------------------------------------------ responder
+
+    fn send_nak(&mut self, code: NakCode, fatal: bool) {
+        self.stats.naks_sent += 1;
+        let nak = self.ack_packet(self.epsn, nak_syndrome(code));
+        self.resp_tx.push_back(nak);
+        if fatal {
+            // Class C errors (rocev2-reference §5): the responder QP goes to
+            // ERROR; queued responses, this NAK included, still go out.
+            self.enter_error();
+        }
+    }
+
+    fn responder(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let d = psn::diff(pkt.bth.psn, self.epsn);
+        if d > 0 {
+            // A gap: NAK once until the expected packet arrives (§5, §6).
+            self.stats.dropped += 1;
+            if !self.nak_sent {
+                self.nak_sent = true;
+                self.send_nak(NakCode::PsnSequenceError, false);
+            }
+            return;
+        }
+        if d < 0 {
+            self.stats.duplicates += 1;
+            self.duplicate(pkt, mem);
+            return;
+        }
+        self.nak_sent = false;
+        let op = pkt.bth.opcode;
+        match op {
+            Opcode::SEND_FIRST
+            | Opcode::SEND_MIDDLE
+            | Opcode::SEND_LAST
+            | Opcode::SEND_LAST_WITH_IMMEDIATE
+            | Opcode::SEND_LAST_WITH_INVALIDATE
+            | Opcode::SEND_ONLY
+            | Opcode::SEND_ONLY_WITH_IMMEDIATE
+            | Opcode::SEND_ONLY_WITH_INVALIDATE => self.recv_send(pkt),
+            Opcode::RDMA_WRITE_FIRST
+            | Opcode::RDMA_WRITE_MIDDLE
+            | Opcode::RDMA_WRITE_LAST
+            | Opcode::RDMA_WRITE_LAST_WITH_IMMEDIATE
+            | Opcode::RDMA_WRITE_ONLY
+            | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE => self.recv_write(pkt, mem),
+            Opcode::RDMA_READ_REQUEST => self.recv_read(pkt, mem),
+            Opcode::COMPARE_SWAP | Opcode::FETCH_ADD => self.recv_atomic(pkt, mem),
+            _ => self.stats.dropped += 1,
+        }
+    }
+
+    /// After executing a SEND/WRITE packet: advance ePSN and ACK if asked (coalesced).
+    fn accepted(&mut self, pkt: &Packet, message_done: bool) {
+        self.epsn = psn::add(self.epsn, 1);
+        if message_done {
+            self.msn = psn::add(self.msn, 1);
+        }
+        if pkt.bth.ack_req {
+            self.pending_ack = Some(pkt.bth.psn);
+        }
+    }
+
+    fn recv_send(&mut self, pkt: &Packet) {
+        let op = pkt.bth.opcode;
+        let starts = matches!(
+            op,
+            Opcode::SEND_FIRST
+                | Opcode::SEND_ONLY
+                | Opcode::SEND_ONLY_WITH_IMMEDIATE
+                | Opcode::SEND_ONLY_WITH_INVALIDATE
+        );
+        let ends = !matches!(op, Opcode::SEND_FIRST | Opcode::SEND_MIDDLE);
+        // Opcode sequence (rocev2-reference §3).
+        match (&self.open, starts) {
+            (None, true) | (Some(OpenMessage::Send { .. }), false) => {}
+            _ => return self.send_nak(NakCode::InvalidRequest, true),
+        }
+        if !self.length_ok(op, pkt.payload.len()) {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if starts {
+            let Some(wqe) = self.rq.pop_front() else {
+                // No receive posted: RNR NAK, PSN not consumed (§5).
+                self.stats.rnr_naks_sent += 1;
+                let rnr = self.ack_packet(pkt.bth.psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
+                self.resp_tx.push_back(rnr);
+                return;
+            };
+            self.open = Some(OpenMessage::Send {
+                wqe,
+                buf: BytesMut::new(),
+            });
+        }
+        let Some(OpenMessage::Send { wqe, buf }) = &mut self.open else {
+            unreachable!("checked above")
+        };
+        buf.extend_from_slice(&pkt.payload);
+        if buf.len() > wqe.max_len {
+            let wr_id = wqe.wr_id;
+            self.open = None;
+            self.completions.push_back(Completion::new(
+                wr_id,
+                WcStatus::LocalLengthError,
+                WcOpcode::Recv,
+            ));
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if ends {
+            let Some(OpenMessage::Send { wqe, buf }) = self.open.take() else {
+                unreachable!("checked above")
+            };
+            let mut c = Completion::new(wqe.wr_id, WcStatus::Success, WcOpcode::Recv);
+            c.byte_len = buf.len() as u64;
+            c.data = buf.freeze();
+            c.imm = pkt.imm;
+            c.invalidate = pkt.ieth;
+            self.completions.push_back(c);
+        }
+        self.accepted(pkt, ends);
+    }
+
+    /// FIRST/MIDDLE carry exactly one PMTU, LAST 1..PMTU, ONLY 0..PMTU (§8).
+    fn length_ok(&self, op: Opcode, len: usize) -> bool {
+        let pmtu = self.cfg.pmtu as usize;
+        match op {
+            Opcode::SEND_FIRST
+            | Opcode::SEND_MIDDLE
+            | Opcode::RDMA_WRITE_FIRST
+            | Opcode::RDMA_WRITE_MIDDLE => len == pmtu,
+            Opcode::SEND_ONLY
+            | Opcode::SEND_ONLY_WITH_IMMEDIATE
+            | Opcode::SEND_ONLY_WITH_INVALIDATE
+            | Opcode::RDMA_WRITE_ONLY
+            | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE => len <= pmtu,
+            _ => (1..=pmtu).contains(&len),
+        }
+    }
+
+    fn recv_write(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let op = pkt.bth.opcode;
+        let starts = matches!(
+            op,
+            Opcode::RDMA_WRITE_FIRST
+                | Opcode::RDMA_WRITE_ONLY
+                | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE
+        );
+        let ends = !matches!(op, Opcode::RDMA_WRITE_FIRST | Opcode::RDMA_WRITE_MIDDLE);
+        let with_imm = matches!(
+            op,
+            Opcode::RDMA_WRITE_LAST_WITH_IMMEDIATE | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE
+        );
+        match (&self.open, starts) {
+            (None, true) | (Some(OpenMessage::Write { .. }), false) => {}
+            _ => return self.send_nak(NakCode::InvalidRequest, true),
+        }
+        if !self.length_ok(op, pkt.payload.len()) {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        // A write with immediate needs a receive; check before touching memory.
+        if with_imm && self.rq.is_empty() {
+            self.stats.rnr_naks_sent += 1;
+            let rnr = self.ack_packet(pkt.bth.psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
+            self.resp_tx.push_back(rnr);
+            return;
+        }
+        if starts {
+            let Some(reth) = pkt.reth else {
+                return self.send_nak(NakCode::InvalidRequest, true);
+            };
+            // The whole range is checked at the first packet (R_Key, bounds, rights).
+            if reth.dma_len > 0 {
+                if let Err(e) = mem.check(reth.rkey, reth.va, u64::from(reth.dma_len), Need::Write)
+                {
+                    return self.send_nak(mem_nak(e), true);
+                }
+            }
+            self.open = Some(OpenMessage::Write { reth, offset: 0 });
+        }
+        let Some(OpenMessage::Write { reth, offset }) = &mut self.open else {
+            unreachable!("checked above")
+        };
+        let (reth, off) = (*reth, *offset);
+        let end = off + pkt.payload.len() as u64;
+        if end > u64::from(reth.dma_len) || (ends && end != u64::from(reth.dma_len)) {
+            self.open = None;
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if !pkt.payload.is_empty() {
+            if let Err(e) = mem.write(reth.rkey, reth.va + off, &pkt.payload) {
+                self.open = None;
+                return self.send_nak(mem_nak(e), true);
+            }
+        }
+        if let Some(OpenMessage::Write { offset, .. }) = &mut self.open {
+            *offset = end;
+        }
+        if ends {
+            self.open = None;
+            if with_imm {
+                let r = self.rq.pop_front().expect("checked above");
+                let mut c = Completion::new(r.wr_id, WcStatus::Success, WcOpcode::RecvWriteImm);
+                c.byte_len = u64::from(reth.dma_len);
+                c.imm = pkt.imm;
+                self.completions.push_back(c);
+            }
+        }
+        self.accepted(pkt, ends);
+    }
+
+    fn remember(&mut self, r: Resource) {
+        self.resources.push_back(r);
+        while self.resources.len() > self.cfg.max_rd_atomic.max(1) as usize * 2 {
+            self.resources.pop_front();
+        }
+    }
+
+    /// Queue the responses to a READ of `reth` whose request had PSN `first`:
+    /// FIRST/MIDDLE/LAST or ONLY (rocev2-reference §3, §8), data re-read from
+    /// memory each time (a duplicate READ is re-executed, §6).
+    fn read_responses(
+        &mut self,
+        first: u32,
+        reth: Reth,
+        mem: &mut dyn Memory,
+    ) -> Result<(), MemError> {
+        let pmtu = u64::from(self.cfg.pmtu);
+        let len = u64::from(reth.dma_len);
+        let npkts = len.div_ceil(pmtu).max(1) as u32;
+        for i in 0..npkts {
+            let off = u64::from(i) * pmtu;
+            let n = pmtu.min(len - off.min(len));
+            let data = if n == 0 {
+                Bytes::new()
+            } else {
+                mem.read(reth.rkey, reth.va + off, n)?
+            };
+            let opcode = match (i == 0, i + 1 == npkts) {
+                (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
+                (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,
+                (false, false) => Opcode::RDMA_READ_RESPONSE_MIDDLE,
+                (false, true) => Opcode::RDMA_READ_RESPONSE_LAST,
+            };
+            let mut p = Packet::new(Bth::new(opcode, self.remote_qpn, psn::add(first, i)));
+            if opcode != Opcode::RDMA_READ_RESPONSE_MIDDLE {
+                p.aeth = Some(Aeth {
+                    syndrome: 0x1F,
+                    msn: self.msn & psn::PSN_MASK,
+                });
+            }
+            p.payload = data;
+            p.finish();
+            self.resp_tx.push_back(p);
+        }
+        Ok(())
+    }
+
+    fn recv_read(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        if self.open.is_some() {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        let Some(reth) = pkt.reth else {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        };
+        if reth.dma_len > 0 {
+            if let Err(e) = mem.check(reth.rkey, reth.va, u64::from(reth.dma_len), Need::Read) {
+                return self.send_nak(mem_nak(e), true);
+            }
+        }
+        let first = self.epsn;
+        let npkts = u64::from(reth.dma_len)
+            .div_ceil(u64::from(self.cfg.pmtu))
+            .max(1) as u32;
+        self.msn = psn::add(self.msn, 1);
+        if let Err(e) = self.read_responses(first, reth, mem) {
+            return self.send_nak(mem_nak(e), true);
+        }
+        self.remember(Resource::Read {
+            first_psn: first,
+            npkts,
+            reth,
+        });
+        self.epsn = psn::add(first, npkts);
+    }
+
+    fn recv_atomic(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        if self.open.is_some() {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        let Some(a) = pkt.atomic_eth else {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        };
+        let op = if pkt.bth.opcode == Opcode::COMPARE_SWAP {
+            Atomic::CompareSwap {
+                compare: a.compare,
+                swap: a.swap_add,
+            }
+        } else {
+            Atomic::FetchAdd { add: a.swap_add }
+        };
+        let orig = match mem.atomic(a.rkey, a.va, op) {
+            Ok(v) => v,
+            Err(e) => return self.send_nak(mem_nak(e), true),
+        };
+        self.msn = psn::add(self.msn, 1);
+        self.atomic_ack(pkt.bth.psn, orig);
+        self.remember(Resource::Atomic {
+            psn: pkt.bth.psn,
+            orig,
+        });
+        self.epsn = psn::add(self.epsn, 1);
+    }
+
+    fn atomic_ack(&mut self, psn: u32, orig: u64) {
+        let mut p = Packet::new(Bth::new(Opcode::ATOMIC_ACKNOWLEDGE, self.remote_qpn, psn));
+        p.aeth = Some(Aeth {
+            syndrome: 0x1F,
+            msn: self.msn & psn::PSN_MASK,
+        });
+        p.atomic_ack = Some(orig);
+        self.resp_tx.push_back(p);
+    }
+
+    /// A request below ePSN (rocev2-reference §6): re-ACK SEND/WRITE, re-execute
+    /// READs from the saved range, replay saved atomic results.
+    fn duplicate(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let p = pkt.bth.psn;
+        match pkt.bth.opcode {
+            Opcode::RDMA_READ_REQUEST => {
+                let Some(reth) = pkt.reth else { return };
+                // Replay only a READ we executed, asked again whole or as the
+                // tail that a resuming requester still misses: same R_Key,
+                // range inside the original, VA consistent with the PSN (§6).
+                let pmtu = u64::from(self.cfg.pmtu);
+                let ok = self.resources.iter().rev().any(|r| match *r {
+                    Resource::Read {
+                        first_psn,
+                        npkts,
+                        reth: orig,
+                    } => {
+                        let k = psn::diff(p, first_psn);
+                        k >= 0
+                            && k < npkts as i32
+                            && orig.rkey == reth.rkey
+                            && reth.va == orig.va + k as u64 * pmtu
+                            && reth.va + u64::from(reth.dma_len)
+                                == orig.va + u64::from(orig.dma_len)
+                    }
+                    Resource::Atomic { .. } => false,
+                });
+                if !ok {
+                    self.stats.dropped += 1;
+                } else if self.read_responses(p, reth, mem).is_err() {
+                    self.send_nak(NakCode::RemoteAccessError, true);
+                }
+            }
+            Opcode::COMPARE_SWAP | Opcode::FETCH_ADD => {
+                let saved = self.resources.iter().rev().find_map(|r| match *r {
+                    Resource::Atomic { psn, orig } if psn == p => Some(orig),
+                    _ => None,
+                });
+                match saved {
+                    Some(orig) => self.atomic_ack(p, orig),
+                    None => self.stats.dropped += 1,
+                }
+            }
+            _ => {
+                // SEND/WRITE: not re-executed; ACK everything received so far.
+                self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+            }
+        }
+    }
+}

@@ -1,0 +1,615 @@
+//! The RC queue pair over the deterministic simulator: every work request
+//! completes exactly once, in order, with exact data, under loss, duplication
+//! and reordering; errors are reported as the reference says.
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use rdmx_roce_proto::sim::{Link, Sim};
+use rdmx_roce_proto::{Atomic, Completion, QpConfig, QpState, WcOpcode, WcStatus, WorkRequest};
+
+const W_KEY: u32 = 0x1000;
+const R_KEY: u32 = 0x2000;
+const T_KEY: u32 = 0x3000;
+const W_VA: u64 = 0x10_0000;
+const R_VA: u64 = 0x20_0000;
+const T_VA: u64 = 0x30_0000;
+const REGION: usize = 64 << 10;
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) >> 1) as u8)
+        .collect()
+}
+
+/// Regions on a side: W (written by the peer), R (read by the peer, never
+/// written), T (atomic words).
+fn regions(mem: &mut rdmx_roce_proto::VecMemory, seed: u64) {
+    mem.add(W_KEY, W_VA, vec![0; REGION]);
+    mem.add(R_KEY, R_VA, pattern(seed, REGION));
+    mem.add(T_KEY, T_VA, vec![0; 64]);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Send {
+        len: usize,
+        imm: Option<u32>,
+    },
+    Write {
+        off: usize,
+        len: usize,
+        imm: Option<u32>,
+    },
+    Read {
+        off: usize,
+        len: usize,
+    },
+    Faa {
+        word: usize,
+        add: u64,
+    },
+    Cas {
+        word: usize,
+        compare: u64,
+        swap: u64,
+    },
+}
+
+fn arb_op() -> impl Strategy<Value = Op> {
+    let len = prop_oneof![0usize..64, 64usize..3000, 3000usize..9000];
+    prop_oneof![
+        (len.clone(), proptest::option::of(any::<u32>()))
+            .prop_map(|(len, imm)| Op::Send { len, imm }),
+        (
+            0usize..40_000,
+            len.clone(),
+            proptest::option::of(any::<u32>())
+        )
+            .prop_map(|(off, len, imm)| Op::Write { off, len, imm }),
+        (0usize..40_000, len).prop_map(|(off, len)| Op::Read { off, len }),
+        (0usize..4, 1u64..1000).prop_map(|(word, add)| Op::Faa { word, add }),
+        (0usize..4, 0u64..3, 0u64..5).prop_map(|(word, compare, swap)| Op::Cas {
+            word,
+            compare,
+            swap
+        }),
+    ]
+}
+
+/// What the peer should end up with, computed sequentially.
+struct Model {
+    w: Vec<u8>,
+    t: [u64; 8],
+    recvs: Vec<(WcOpcode, Bytes, Option<u32>, u64)>,
+}
+
+/// Post `ops` on one side; `peer_r_seed` is the pattern of the peer's R region.
+fn post_all(
+    sim: &mut Sim,
+    from_a: bool,
+    ops: &[Op],
+    seed: u64,
+    peer_r_seed: u64,
+) -> (Vec<Completion>, Model) {
+    let peer_r = pattern(peer_r_seed, REGION);
+    let mut m = Model {
+        w: vec![0; REGION],
+        t: [0; 8],
+        recvs: Vec::new(),
+    };
+    let mut expect = Vec::new();
+    for (i, op) in ops.iter().enumerate() {
+        let wr_id = i as u64;
+        let data = Bytes::from(pattern(
+            seed + i as u64,
+            match op {
+                Op::Send { len, .. } | Op::Write { len, .. } => *len,
+                _ => 0,
+            },
+        ));
+        let (wr, mut c) = match *op {
+            Op::Send { imm, .. } => {
+                m.recvs
+                    .push((WcOpcode::Recv, data.clone(), imm, data.len() as u64));
+                (
+                    WorkRequest::Send {
+                        data: data.clone(),
+                        imm,
+                        invalidate: None,
+                    },
+                    comp(wr_id, WcOpcode::Send, data.len() as u64),
+                )
+            }
+            Op::Write { off, len, imm } => {
+                m.w[off..off + len].copy_from_slice(&data);
+                if imm.is_some() {
+                    m.recvs
+                        .push((WcOpcode::RecvWriteImm, Bytes::new(), imm, len as u64));
+                }
+                (
+                    WorkRequest::Write {
+                        data: data.clone(),
+                        va: W_VA + off as u64,
+                        rkey: W_KEY,
+                        imm,
+                    },
+                    comp(wr_id, WcOpcode::Write, len as u64),
+                )
+            }
+            Op::Read { off, len } => {
+                let mut c = comp(wr_id, WcOpcode::Read, len as u64);
+                c.data = Bytes::copy_from_slice(&peer_r[off..off + len]);
+                (
+                    WorkRequest::Read {
+                        va: R_VA + off as u64,
+                        rkey: R_KEY,
+                        len: len as u32,
+                    },
+                    c,
+                )
+            }
+            Op::Faa { word, add } => {
+                let old = m.t[word];
+                m.t[word] = old.wrapping_add(add);
+                let mut c = comp(wr_id, WcOpcode::FetchAdd, 8);
+                c.atomic_orig = Some(old);
+                (
+                    WorkRequest::Atomic {
+                        va: T_VA + word as u64 * 8,
+                        rkey: T_KEY,
+                        op: Atomic::FetchAdd { add },
+                    },
+                    c,
+                )
+            }
+            Op::Cas {
+                word,
+                compare,
+                swap,
+            } => {
+                let old = m.t[word];
+                if old == compare {
+                    m.t[word] = swap;
+                }
+                let mut c = comp(wr_id, WcOpcode::CompareSwap, 8);
+                c.atomic_orig = Some(old);
+                (
+                    WorkRequest::Atomic {
+                        va: T_VA + word as u64 * 8,
+                        rkey: T_KEY,
+                        op: Atomic::CompareSwap { compare, swap },
+                    },
+                    c,
+                )
+            }
+        };
+        let qp = if from_a { &mut sim.a } else { &mut sim.b };
+        qp.post_send(wr_id, wr).unwrap();
+        c.status = WcStatus::Success;
+        expect.push(c);
+    }
+    // The peer posts one receive per message or write-with-immediate.
+    let peer = if from_a { &mut sim.b } else { &mut sim.a };
+    for i in 0..m.recvs.len() {
+        peer.post_recv(1_000_000 + i as u64, 16 << 10).unwrap();
+    }
+    (expect, m)
+}
+
+fn comp(wr_id: u64, opcode: WcOpcode, byte_len: u64) -> Completion {
+    Completion {
+        wr_id,
+        status: WcStatus::Success,
+        opcode,
+        byte_len,
+        data: Bytes::new(),
+        imm: None,
+        invalidate: None,
+        atomic_orig: None,
+    }
+}
+
+fn check_side(
+    expect: &[Completion],
+    model: &Model,
+    mine: &[Completion],
+    peer: &[Completion],
+    peer_mem: &rdmx_roce_proto::VecMemory,
+) {
+    let sent: Vec<&Completion> = mine.iter().filter(|c| c.wr_id < 1_000_000).collect();
+    assert_eq!(
+        sent.len(),
+        expect.len(),
+        "every work request completes exactly once"
+    );
+    for (got, want) in sent.iter().zip(expect) {
+        let key = |c: &Completion| {
+            (
+                c.wr_id,
+                c.status,
+                c.opcode,
+                c.byte_len,
+                c.imm,
+                c.atomic_orig,
+                c.data.len(),
+            )
+        };
+        assert_eq!(key(got), key(want), "completion {} (in order)", want.wr_id);
+        assert!(
+            got.data == want.data,
+            "completion {}: data differs",
+            want.wr_id
+        );
+    }
+    let recvs: Vec<&Completion> = peer.iter().filter(|c| c.wr_id >= 1_000_000).collect();
+    assert_eq!(recvs.len(), model.recvs.len());
+    for (i, (c, (op, data, imm, len))) in recvs.iter().zip(&model.recvs).enumerate() {
+        assert_eq!(c.wr_id, 1_000_000 + i as u64, "receives complete in order");
+        assert_eq!(
+            (c.status, c.opcode, c.imm, c.byte_len),
+            (WcStatus::Success, *op, *imm, *len),
+            "receive {i}"
+        );
+        assert!(c.data == *data, "receive {i}: data differs");
+    }
+    assert!(
+        peer_mem.regions[0].data == model.w,
+        "written region differs from the model"
+    );
+    for (i, v) in model.t.iter().enumerate().take(4) {
+        let got = u64::from_ne_bytes(
+            peer_mem.regions[2].data[i * 8..i * 8 + 8]
+                .try_into()
+                .unwrap(),
+        );
+        assert_eq!(got, *v, "atomic word {i}");
+    }
+}
+
+fn run(ops_a: &[Op], ops_b: &[Op], link: Link, cfg: QpConfig, seed: u64) -> Sim {
+    let mut sim = Sim::new(cfg, cfg, link, seed);
+    regions(&mut sim.mem_a, seed ^ 1);
+    regions(&mut sim.mem_b, seed ^ 2);
+    let (ea, ma) = post_all(&mut sim, true, ops_a, seed, seed ^ 2);
+    let (eb, mb) = post_all(&mut sim, false, ops_b, seed + 1000, seed ^ 1);
+    let total_a = ea.len() + mb.recvs.len();
+    let total_b = eb.len() + ma.recvs.len();
+    let ok = sim.run_until(600_000_000_000, |s| {
+        s.done_a.len() >= total_a && s.done_b.len() >= total_b
+    });
+    let first_bad = |v: &[Completion]| {
+        v.iter()
+            .find(|c| c.status != WcStatus::Success)
+            .map(|c| (c.wr_id, c.status, c.opcode))
+    };
+    assert!(
+        ok,
+        "not all completed by t={}ns: A {}/{total_a} {:?} first bad {:?}, B {}/{total_b} {:?} first bad {:?}; {:?} {:?}",
+        sim.now,
+        sim.done_a.len(),
+        sim.a.state(),
+        first_bad(&sim.done_a),
+        sim.done_b.len(),
+        sim.b.state(),
+        first_bad(&sim.done_b),
+        sim.a.stats(),
+        sim.b.stats()
+    );
+    check_side(&ea, &ma, &sim.done_a, &sim.done_b, &sim.mem_b);
+    check_side(&eb, &mb, &sim.done_b, &sim.done_a, &sim.mem_a);
+    assert_eq!(sim.a.state(), QpState::Rts);
+    assert_eq!(sim.b.state(), QpState::Rts);
+    sim
+}
+
+fn every_opcode() -> Vec<Op> {
+    vec![
+        Op::Send { len: 0, imm: None },
+        Op::Send {
+            len: 5000,
+            imm: Some(7),
+        },
+        Op::Send {
+            len: 1024,
+            imm: None,
+        },
+        Op::Write {
+            off: 3,
+            len: 2049,
+            imm: None,
+        },
+        Op::Write {
+            off: 100,
+            len: 0,
+            imm: Some(9),
+        },
+        Op::Write {
+            off: 8000,
+            len: 4096,
+            imm: Some(10),
+        },
+        Op::Read { off: 17, len: 5000 },
+        Op::Read { off: 0, len: 0 },
+        Op::Faa { word: 1, add: 5 },
+        Op::Cas {
+            word: 1,
+            compare: 5,
+            swap: 99,
+        },
+        Op::Cas {
+            word: 1,
+            compare: 5,
+            swap: 1,
+        },
+        Op::Send { len: 1, imm: None },
+    ]
+}
+
+#[test]
+fn every_opcode_lossless() {
+    let sim = run(
+        &every_opcode(),
+        &every_opcode(),
+        Link::default(),
+        QpConfig::default(),
+        1,
+    );
+    assert_eq!(sim.a.stats().retransmits, 0);
+    assert_eq!(sim.net.lost, 0);
+}
+
+#[test]
+fn every_opcode_at_every_mtu() {
+    for pmtu in [256, 512, 1024, 2048, 4096] {
+        let cfg = QpConfig {
+            pmtu,
+            ..QpConfig::default()
+        };
+        run(&every_opcode(), &[], Link::default(), cfg, u64::from(pmtu));
+    }
+}
+
+#[test]
+fn heavy_loss_duplication_and_reordering() {
+    let link = Link {
+        loss: 0.10,
+        dup: 0.05,
+        jitter_ns: 20_000,
+        ..Link::default()
+    };
+    let ops: Vec<Op> = (0..40).flat_map(|_| every_opcode()).collect();
+    let sim = run(
+        &ops,
+        &every_opcode(),
+        link,
+        QpConfig {
+            timeout: 10,
+            ..QpConfig::default()
+        },
+        7,
+    );
+    let s = sim.a.stats();
+    assert!(
+        s.retransmits > 0 && sim.net.lost > 0 && sim.net.duplicated > 0,
+        "{s:?} {:?}",
+        sim.net
+    );
+    assert!(sim.b.stats().duplicates > 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::default())]
+
+    /// With random loss up to 10% plus reordering and duplicates, every work
+    /// request completes exactly once, in order, with exact data, for every opcode.
+    #[test]
+    fn exactly_once_in_order_under_faults(
+        ops_a in proptest::collection::vec(arb_op(), 1..40),
+        ops_b in proptest::collection::vec(arb_op(), 0..10),
+        loss in 0.0f64..0.10,
+        dup in 0.0f64..0.05,
+        jitter in 0u64..30_000,
+        pmtu in proptest::sample::select(vec![256u32, 1024, 4096]),
+        seed: u64,
+    ) {
+        let link = Link { loss, dup, jitter_ns: jitter, ..Link::default() };
+        run(&ops_a, &ops_b, link, QpConfig { pmtu, timeout: 10, ..QpConfig::default() }, seed);
+    }
+}
+
+#[test]
+fn rnr_nak_waits_for_a_receive() {
+    let mut sim = Sim::new(
+        QpConfig::default(),
+        QpConfig {
+            min_rnr_timer: 2,
+            ..QpConfig::default()
+        },
+        Link::default(),
+        3,
+    );
+    sim.a
+        .post_send(
+            1,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"early"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    // No receive posted yet: B answers RNR NAK; A waits and retries.
+    sim.run_until(200_000, |_| false);
+    assert!(sim.a.stats().rnr_naks_received >= 1, "{:?}", sim.a.stats());
+    assert!(sim.done_a.is_empty());
+    sim.b.post_recv(77, 100).unwrap();
+    assert!(sim.run_until(10_000_000, |s| s.done_a.len() == 1 && s.done_b.len() == 1));
+    assert_eq!(sim.done_a[0].status, WcStatus::Success);
+    assert_eq!(
+        (sim.done_b[0].wr_id, &sim.done_b[0].data[..]),
+        (77, &b"early"[..])
+    );
+}
+
+#[test]
+fn rnr_retry_exhaustion_fails_the_request() {
+    let cfg = QpConfig {
+        rnr_retry: 2,
+        ..QpConfig::default()
+    };
+    let mut sim = Sim::new(cfg, QpConfig::default(), Link::default(), 3);
+    sim.a
+        .post_send(
+            1,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"x"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    sim.a
+        .post_send(
+            2,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"y"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    assert!(sim.run_until(1_000_000_000, |s| s.done_a.len() == 2));
+    assert_eq!(sim.done_a[0].status, WcStatus::RnrRetryExceeded);
+    assert_eq!(sim.done_a[1].status, WcStatus::Flushed);
+    assert_eq!(sim.a.state(), QpState::Error);
+    assert_eq!(sim.a.stats().rnr_naks_received, 3);
+}
+
+#[test]
+fn remote_access_errors_nak_and_flush() {
+    for (wr, want) in [
+        (
+            WorkRequest::Write {
+                data: Bytes::from_static(b"abc"),
+                va: W_VA,
+                rkey: 0xBAD,
+                imm: None,
+            },
+            WcStatus::RemoteAccessError,
+        ),
+        (
+            WorkRequest::Write {
+                data: Bytes::from(vec![1; 10]),
+                va: W_VA + REGION as u64 - 5,
+                rkey: W_KEY,
+                imm: None,
+            },
+            WcStatus::RemoteAccessError,
+        ),
+        (
+            WorkRequest::Read {
+                va: R_VA - 1,
+                rkey: R_KEY,
+                len: 4,
+            },
+            WcStatus::RemoteAccessError,
+        ),
+        (
+            WorkRequest::Atomic {
+                va: T_VA + 4,
+                rkey: T_KEY,
+                op: Atomic::FetchAdd { add: 1 },
+            },
+            WcStatus::RemoteInvalidRequest,
+        ),
+    ] {
+        let mut sim = Sim::new(QpConfig::default(), QpConfig::default(), Link::default(), 5);
+        regions(&mut sim.mem_b, 9);
+        sim.b.post_recv(500, 100).unwrap();
+        let before = sim.mem_b.regions[0].data.clone();
+        sim.a.post_send(1, wr.clone()).unwrap();
+        sim.a
+            .post_send(
+                2,
+                WorkRequest::Send {
+                    data: Bytes::from_static(b"after"),
+                    imm: None,
+                    invalidate: None,
+                },
+            )
+            .unwrap();
+        assert!(
+            sim.run_until(1_000_000_000, |s| s.done_a.len() == 2
+                && s.done_b.len() == 1),
+            "{wr:?}"
+        );
+        assert_eq!(sim.done_a[0].status, want, "{wr:?}");
+        assert_eq!(sim.done_a[1].status, WcStatus::Flushed);
+        assert_eq!(
+            (sim.done_b[0].wr_id, sim.done_b[0].status),
+            (500, WcStatus::Flushed)
+        );
+        assert_eq!(
+            (sim.a.state(), sim.b.state()),
+            (QpState::Error, QpState::Error)
+        );
+        assert_eq!(
+            sim.mem_b.regions[0].data, before,
+            "a refused write stored nothing"
+        );
+        assert_eq!(sim.b.stats().naks_sent, 1);
+    }
+}
+
+#[test]
+fn dead_peer_exhausts_retries() {
+    let cfg = QpConfig {
+        timeout: 12,
+        retry_cnt: 3,
+        ..QpConfig::default()
+    };
+    let link = Link {
+        loss: 1.0,
+        ..Link::default()
+    };
+    let mut sim = Sim::new(cfg, cfg, link, 11);
+    sim.a
+        .post_send(
+            1,
+            WorkRequest::Write {
+                data: Bytes::from_static(b"void"),
+                va: 0,
+                rkey: 1,
+                imm: None,
+            },
+        )
+        .unwrap();
+    assert!(sim.run_until(10_000_000_000, |s| !s.done_a.is_empty()));
+    assert_eq!(sim.done_a[0].status, WcStatus::RetryExceeded);
+    let timeout = cfg.ack_timeout_ns().unwrap();
+    // One first try plus three retries, each waiting one local ACK timeout.
+    assert_eq!(sim.a.stats().timeouts, 4);
+    assert!(
+        sim.now >= 4 * timeout && sim.now < 5 * timeout,
+        "failed at {} (timeout {timeout})",
+        sim.now
+    );
+}
+
+#[test]
+fn invalid_opcode_sequence_is_nak_invalid_request() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet};
+    let mut qp = rdmx_roce_proto::Qp::new(QpConfig::default(), 5);
+    qp.connect(6, 0, 100).unwrap();
+    qp.post_recv(1, 4096).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    // A SEND_MIDDLE with no message open.
+    let mut p = Packet::new(Bth::new(Opcode::SEND_MIDDLE, 5, 100));
+    p.payload = Bytes::from(vec![0u8; 1024]);
+    qp.handle_packet(0, &p, &mut mem);
+    let nak = qp.poll_transmit(0).expect("a NAK");
+    assert_eq!(nak.bth.opcode, Opcode::ACKNOWLEDGE);
+    assert_eq!(nak.aeth.unwrap().syndrome, 0x61);
+    assert_eq!(qp.state(), QpState::Error);
+    assert_eq!(qp.poll_completion().unwrap().status, WcStatus::Flushed);
+}

@@ -442,6 +442,11 @@ impl Qp {
         self.stats
     }
 
+    /// The PSN the responder expects next (ePSN).
+    pub fn expected_psn(&self) -> u32 {
+        self.epsn
+    }
+
     /// Work requests posted and not yet completed.
     pub fn outstanding(&self) -> usize {
         self.sq.len()

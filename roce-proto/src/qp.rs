@@ -1020,6 +1020,14 @@ impl Qp {
         }
     }
 
+    /// No receive posted: RNR NAK with our timer code; the PSN is not consumed,
+    /// the requester retries it after the delay (rocev2-reference §5).
+    fn send_rnr_nak(&mut self, psn: u32) {
+        self.stats.rnr_naks_sent += 1;
+        let rnr = self.ack_packet(psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
+        self.resp_tx.push_back(rnr);
+    }
+
     fn responder(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
         let d = psn::diff(pkt.bth.psn, self.epsn);
         if d > 0 {
@@ -1090,11 +1098,7 @@ impl Qp {
         }
         if starts {
             let Some(wqe) = self.rq.pop_front() else {
-                // No receive posted: RNR NAK, PSN not consumed (§5).
-                self.stats.rnr_naks_sent += 1;
-                let rnr = self.ack_packet(pkt.bth.psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
-                self.resp_tx.push_back(rnr);
-                return;
+                return self.send_rnr_nak(pkt.bth.psn);
             };
             self.open = Some(OpenMessage::Send {
                 wqe,
@@ -1168,10 +1172,7 @@ impl Qp {
         }
         // A write with immediate needs a receive; check before touching memory.
         if with_imm && self.rq.is_empty() {
-            self.stats.rnr_naks_sent += 1;
-            let rnr = self.ack_packet(pkt.bth.psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
-            self.resp_tx.push_back(rnr);
-            return;
+            return self.send_rnr_nak(pkt.bth.psn);
         }
         if starts {
             let Some(reth) = pkt.reth else {

@@ -8,6 +8,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+pub mod dcqcn;
 pub mod icrc;
 pub mod memory;
 pub mod opcode;

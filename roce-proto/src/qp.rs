@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
+use crate::dcqcn::{Dcqcn, DcqcnConfig};
 use crate::memory::{Atomic, MemError, Memory, Need};
 use crate::opcode::Opcode;
 use crate::packet::{rnr_delay_us, Aeth, AtomicEth, Bth, NakCode, Packet, Reth, Syndrome};
@@ -35,7 +36,7 @@ pub enum QpState {
 }
 
 /// Connection parameters (what `ibv_modify_qp` sets).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QpConfig {
     /// Path MTU: 256, 512, 1024, 2048 or 4096 (rocev2-reference §8).
     pub pmtu: u32,
@@ -54,6 +55,9 @@ pub struct QpConfig {
     pub max_unacked: u32,
     /// The requester asks for an ACK at least every this many packets (rxe: 64).
     pub ack_every: u32,
+    /// DCQCN congestion control; `None` disables the sender's rate limiter
+    /// (CNPs are still sent for CE-marked packets, as NICs do).
+    pub dcqcn: Option<DcqcnConfig>,
 }
 
 impl Default for QpConfig {
@@ -67,6 +71,7 @@ impl Default for QpConfig {
             max_rd_atomic: 16,
             max_unacked: 128,
             ack_every: 64,
+            dcqcn: Some(DcqcnConfig::default()),
         }
     }
 }
@@ -231,6 +236,12 @@ pub struct QpStats {
     pub duplicates: u64,
     /// Packets dropped as out of place (wrong PSN or opcode for the state).
     pub dropped: u64,
+    /// CE-marked packets received.
+    pub ce_received: u64,
+    /// CNPs sent (notification point).
+    pub cnps_sent: u64,
+    /// CNPs received and handled (reaction point).
+    pub cnps_received: u64,
 }
 
 // ------------------------------------------------------------------ requester
@@ -337,6 +348,12 @@ pub struct Qp {
     resources: VecDeque<Resource>,
     pending_ack: Option<u32>,
     resp_tx: VecDeque<Packet>,
+
+    // congestion control
+    rp: Option<Dcqcn>,
+    next_send_at: u64,
+    pace_blocked: bool,
+    last_cnp_sent: Option<u64>,
 }
 
 fn mem_nak(e: MemError) -> NakCode {
@@ -384,7 +401,17 @@ impl Qp {
             resources: VecDeque::new(),
             pending_ack: None,
             resp_tx: VecDeque::new(),
+            rp: cfg.dcqcn.map(Dcqcn::new),
+            next_send_at: 0,
+            pace_blocked: false,
+            last_cnp_sent: None,
         }
+    }
+
+    /// The sender's DCQCN rate in bit/s, when it is limiting (`None`: line rate
+    /// or DCQCN disabled).
+    pub fn rate_bps(&self) -> Option<f64> {
+        self.rp.as_ref().and_then(|r| r.rate_bps())
     }
 
     /// RESET → INIT.
@@ -506,10 +533,11 @@ impl Qp {
 
     /// When [`Qp::handle_timeout`] should be called next.
     pub fn poll_timeout(&self) -> Option<u64> {
-        match (self.retry_deadline, self.rnr_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let pace = self.pace_blocked.then_some(self.next_send_at);
+        [self.retry_deadline, self.rnr_until, pace]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     // ------------------------------------------------------------- transmit
@@ -555,6 +583,15 @@ impl Qp {
             return None;
         }
         self.rnr_until = None;
+        // DCQCN pacing (rocev2-reference §11): wait for the rate limiter.
+        if let Some(rp) = self.rp.as_mut() {
+            rp.advance(now);
+            if rp.rate_bps().is_some() && now < self.next_send_at && self.tx_wqe < self.sq.len() {
+                self.pace_blocked = true;
+                return None;
+            }
+        }
+        self.pace_blocked = false;
         let wqe = self.sq.get(self.tx_wqe)?;
         let psn = psn::add(wqe.first_psn, self.tx_pkt);
         // Window: unacknowledged PSNs (rxe RXE_MAX_UNACKED_PSNS).
@@ -666,6 +703,12 @@ impl Qp {
             self.pkts_since_ackreq = 0;
         }
         pkt.finish();
+        if let Some(rp) = self.rp.as_mut() {
+            // Bytes on the wire: Ethernet + IPv4 + UDP (42) + transport + ICRC.
+            let wire = (42 + pkt.encoded_len() + 4) as u64;
+            rp.on_sent(now, wire);
+            self.next_send_at = self.next_send_at.max(now) + rp.pace_ns(wire);
+        }
         let wqe = &mut self.sq[self.tx_wqe];
         if idx < wqe.sent_upto {
             self.stats.retransmits += 1;
@@ -712,8 +755,9 @@ impl Qp {
 
     // -------------------------------------------------------------- receive
 
-    /// Process one received packet addressed to this QP.
-    pub fn handle_packet(&mut self, now: u64, pkt: &Packet, mem: &mut dyn Memory) {
+    /// Process one received packet addressed to this QP. `ce` is true when its
+    /// IP header carried ECN Congestion Experienced.
+    pub fn handle_packet(&mut self, now: u64, pkt: &Packet, ce: bool, mem: &mut dyn Memory) {
         if pkt.bth.dest_qp != self.local_qpn {
             self.stats.dropped += 1;
             return;
@@ -722,11 +766,39 @@ impl Qp {
             QpState::Rtr | QpState::Rts => {}
             _ => return,
         }
+        if pkt.bth.opcode == Opcode::CNP {
+            // Reaction point: cut the rate (rocev2-reference §10, §11).
+            self.stats.cnps_received += 1;
+            if let Some(rp) = self.rp.as_mut() {
+                rp.on_cnp(now);
+            }
+            return;
+        }
+        if ce {
+            self.stats.ce_received += 1;
+            self.notify_congestion(now);
+        }
         if pkt.bth.opcode.is_request() {
             self.responder(pkt, mem);
         } else if self.state == QpState::Rts {
             self.completer(now, pkt);
         }
+    }
+
+    /// Notification point: answer CE marks with a CNP to the sender, at most one
+    /// per `cnp_interval_ns` (rocev2-reference §10, §11: N = 50 µs).
+    fn notify_congestion(&mut self, now: u64) {
+        let interval = self.cfg.dcqcn.unwrap_or_default().cnp_interval_ns;
+        if self.last_cnp_sent.is_some_and(|t| now < t + interval) {
+            return;
+        }
+        self.last_cnp_sent = Some(now);
+        self.stats.cnps_sent += 1;
+        let mut bth = Bth::new(Opcode::CNP, self.remote_qpn, 0);
+        bth.becn = true;
+        let mut cnp = Packet::new(bth);
+        cnp.cnp_reserved = Some([0; 16]);
+        self.resp_tx.push_back(cnp);
     }
 
     /// Handle expired timers.
@@ -770,7 +842,13 @@ impl Qp {
     fn deliver_done(&mut self) {
         while self.sq.front().is_some_and(|w| w.done.is_some()) {
             let w = self.sq.pop_front().expect("front");
-            self.tx_wqe = self.tx_wqe.saturating_sub(1);
+            if self.tx_wqe > 0 {
+                self.tx_wqe -= 1;
+            } else {
+                // We were (re)transmitting the WQE a late ACK just completed:
+                // the next one starts at its first packet.
+                self.tx_pkt = 0;
+            }
             let (status, orig) = w.done.expect("done");
             let mut c = Completion::new(w.wr_id, status, w.opcode());
             c.atomic_orig = orig;

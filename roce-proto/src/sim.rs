@@ -1,5 +1,5 @@
 //! A deterministic network for two queue pairs: simulated clock, and knobs for
-//! delay, jitter (reordering), bandwidth, loss and duplication. Every
+//! delay, jitter (reordering), bandwidth, loss, duplication and ECN CE marks. Every
 //! packet is encoded to bytes and decoded again on arrival, so the codec is on
 //! the path. Same seed, same run.
 
@@ -23,6 +23,8 @@ pub struct Link {
     pub loss: f64,
     /// Probability a packet is delivered twice.
     pub dup: f64,
+    /// Probability a packet arrives marked ECN Congestion Experienced.
+    pub ce: f64,
 }
 
 impl Default for Link {
@@ -33,6 +35,7 @@ impl Default for Link {
             bytes_per_ns: 1.25,
             loss: 0.0,
             dup: 0.0,
+            ce: 0.0,
         }
     }
 }
@@ -59,6 +62,7 @@ struct InFlight {
     seq: u64,
     to_b: bool,
     bytes: Vec<u8>,
+    ce: bool,
 }
 
 /// Two connected QPs (`a`, `b`), their memories, and the network between them.
@@ -142,14 +146,21 @@ impl Sim {
                 0
             };
             self.seq += 1;
+            let ce = self.rand() < self.link.ce;
             self.queue.push(Reverse(InFlight {
                 at: start + tx + self.link.delay_ns + jitter,
                 seq: self.seq,
                 // A packet from A goes to B.
                 to_b: from_a,
                 bytes: bytes.clone(),
+                ce,
             }));
         }
+    }
+
+    /// Change the link's behaviour from now on.
+    pub fn set_link(&mut self, link: Link) {
+        self.link = link;
     }
 
     /// Advance to the next event. Returns false when nothing is left to do.
@@ -171,13 +182,15 @@ impl Sim {
         };
         self.now = self.now.max(t);
         while self.queue.peek().is_some_and(|Reverse(e)| e.at <= self.now) {
-            let Reverse(InFlight { to_b, bytes, .. }) = self.queue.pop().expect("peeked");
+            let Reverse(InFlight {
+                to_b, bytes, ce, ..
+            }) = self.queue.pop().expect("peeked");
             self.net.delivered += 1;
             let pkt = Packet::decode(&bytes).expect("the simulator carries valid packets");
             if to_b {
-                self.b.handle_packet(self.now, &pkt, &mut self.mem_b);
+                self.b.handle_packet(self.now, &pkt, ce, &mut self.mem_b);
             } else {
-                self.a.handle_packet(self.now, &pkt, &mut self.mem_a);
+                self.a.handle_packet(self.now, &pkt, ce, &mut self.mem_a);
             }
         }
         self.a.handle_timeout(self.now);

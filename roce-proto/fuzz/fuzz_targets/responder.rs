@@ -55,7 +55,7 @@ fuzz_target!(|data: &[u8]| {
             if flags & 1 != 0 {
                 p.bth.psn = qp.expected_psn();
             }
-            qp.handle_packet(now, &p, &mut mem);
+            qp.handle_packet(now, &p, flags & 2 != 0, &mut mem);
         }
         now += 1_000;
         qp.handle_timeout(now);

@@ -201,6 +201,9 @@ impl RoceFrame {
         if datagram_end > f.len() {
             return Err(FrameError::Truncated("IP datagram"));
         }
+        if (udp.len as usize) < 8 {
+            return Err(FrameError::BadLength("UDP length shorter than its header"));
+        }
         if ip_end + udp.len as usize != datagram_end {
             return Err(FrameError::BadLength(
                 "UDP length disagrees with the IP length",
@@ -433,6 +436,22 @@ mod tests {
         bad[n - 10] ^= 0x20; // a payload byte
         let h = RoceFrame::parse(&bad).unwrap().unwrap();
         assert!(h.verify_icrc().is_err());
+    }
+
+    /// Found by the `frame` fuzz target: IPv4 total length 20 and UDP length 0
+    /// agree with each other but leave no room for the UDP header.
+    #[test]
+    fn udp_length_shorter_than_its_header() {
+        let mut f = vec![0u8; 14];
+        f[12..14].copy_from_slice(&ETH_IPV4.to_be_bytes());
+        f.extend_from_slice(&[0x45, 2, 0, 20, 0, 0, 0x40, 0, 0x40, 0x11, 0, 0]);
+        f.extend_from_slice(&[192, 168, 70, 6, 192, 168, 70, 4]);
+        f.extend_from_slice(&[0x00, 0x48, 0x12, 0xb7, 0, 0, 0, 0]); // dport 4791, len 0
+        f.extend_from_slice(&[0u8; 40]);
+        assert_eq!(
+            RoceFrame::parse(&f),
+            Err(FrameError::BadLength("UDP length shorter than its header"))
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::collections::BinaryHeap;
 use crate::memory::VecMemory;
 use crate::packet::Packet;
 use crate::qp::{Completion, Qp, QpConfig};
+use crate::wire::{FramePath, RoceFrame};
 
 /// Link behaviour, the same in both directions.
 #[derive(Clone, Copy, Debug)]
@@ -88,6 +89,7 @@ pub struct Sim {
     seq: u64,
     queue: BinaryHeap<Reverse<InFlight>>,
     free_at: [u64; 2],
+    capture: Option<Vec<(u64, RoceFrame)>>,
 }
 
 impl Sim {
@@ -112,6 +114,37 @@ impl Sim {
             seq: 0,
             queue: BinaryHeap::new(),
             free_at: [0, 0],
+            capture: None,
+        }
+    }
+
+    /// Start recording every packet either side sends, as the Ethernet/IPv4/UDP
+    /// frame a soft RoCE provider would put on the wire (A = 198.18.0.1,
+    /// B = 198.18.0.2, ECT(0)), with the send time.
+    pub fn start_capture(&mut self) {
+        self.capture = Some(Vec::new());
+    }
+
+    /// The frames recorded since [`Sim::start_capture`], with send times (ns).
+    pub fn captured(&self) -> &[(u64, RoceFrame)] {
+        self.capture.as_deref().unwrap_or(&[])
+    }
+
+    /// The frame path of packets sent by A (`from_a`) or B.
+    pub fn path(from_a: bool) -> FramePath {
+        let (a, b) = (
+            "198.18.0.1".parse().expect("ip"),
+            "198.18.0.2".parse().expect("ip"),
+        );
+        let (src, dst) = if from_a { (a, b) } else { (b, a) };
+        FramePath {
+            src_mac: [2, 0, 0, 0, 0, if from_a { 0xa } else { 0xb }],
+            dst_mac: [2, 0, 0, 0, 0, if from_a { 0xb } else { 0xa }],
+            src,
+            dst,
+            sport: if from_a { 0xC011 } else { 0xC022 },
+            ecn: 2,
+            flow_label: 0,
         }
     }
 
@@ -124,6 +157,9 @@ impl Sim {
     }
 
     fn send(&mut self, from_a: bool, p: Packet) {
+        if let Some(cap) = self.capture.as_mut() {
+            cap.push((self.now, RoceFrame::new(&Sim::path(from_a), p.clone())));
+        }
         let mut bytes = Vec::with_capacity(p.encoded_len());
         p.encode(&mut bytes);
         self.net.sent += 1;

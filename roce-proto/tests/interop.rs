@@ -91,6 +91,36 @@ fn tool_missing(what: &str) -> bool {
     true
 }
 
+/// Decode `path` with tshark, one row of `fields` per packet.
+fn tshark_fields(path: &std::path::Path, fields: &[&str]) -> Vec<Vec<String>> {
+    let mut cmd = Command::new("tshark");
+    cmd.arg("-r")
+        .arg(path)
+        .args(["-T", "fields", "-E", "separator=;"]);
+    for f in fields {
+        cmd.args(["-e", f]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.lines()
+        .map(|l| l.split(';').map(str::to_string).collect())
+        .collect()
+}
+
+/// A tshark number: decimal, or hex with a `0x` prefix.
+fn num(s: &str) -> u64 {
+    let s = s.trim();
+    match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16).unwrap(),
+        None => s.parse().unwrap(),
+    }
+}
+
 #[test]
 fn our_pcap_round_trips_through_our_reader() {
     let frames = sample_frames();
@@ -171,50 +201,26 @@ fn tshark_decodes_what_we_encode() {
         "infiniband.immdt",
         "infiniband.invariant.crc",
     ];
-    let mut cmd = Command::new("tshark");
-    cmd.arg("-r")
-        .arg(&path)
-        .args(["-T", "fields", "-E", "separator=;"]);
-    for f in fields {
-        cmd.args(["-e", f]);
-    }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    if std::env::var_os("RDMX_DEBUG_TSHARK").is_some() {
-        eprintln!("{text}");
-    }
-    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(';').collect()).collect();
+    let rows = tshark_fields(&path, &fields);
     assert_eq!(rows.len(), frames.len());
-    let num = |s: &str| -> u64 {
-        let s = s.trim();
-        match s.strip_prefix("0x") {
-            Some(h) => u64::from_str_radix(h, 16).unwrap(),
-            None => s.parse().unwrap(),
-        }
-    };
     let mut icrc_shown = 0;
     for (row, f) in rows.iter().zip(&frames) {
         let p = &f.packet;
         let ctx = format!("{:?} row {row:?}", p.bth.opcode);
-        assert_eq!(num(row[0]), u64::from(p.bth.opcode.0), "{ctx}");
-        assert_eq!(num(row[1]), u64::from(p.bth.dest_qp), "{ctx}");
-        assert_eq!(num(row[2]), u64::from(p.bth.psn), "{ctx}");
-        assert_eq!(num(row[3]) != 0, p.bth.ack_req, "{ctx}");
-        assert_eq!(num(row[4]), u64::from(p.bth.pad_count), "{ctx}");
+        assert_eq!(num(&row[0]), u64::from(p.bth.opcode.0), "{ctx}");
+        assert_eq!(num(&row[1]), u64::from(p.bth.dest_qp), "{ctx}");
+        assert_eq!(num(&row[2]), u64::from(p.bth.psn), "{ctx}");
+        assert_eq!(num(&row[3]) != 0, p.bth.ack_req, "{ctx}");
+        assert_eq!(num(&row[4]), u64::from(p.bth.pad_count), "{ctx}");
         if let Some(r) = p.reth {
             assert_eq!(
-                (num(row[5]), num(row[6]), num(row[7])),
+                (num(&row[5]), num(&row[6]), num(&row[7])),
                 (r.va, u64::from(r.rkey), u64::from(r.dma_len)),
                 "{ctx}"
             );
         }
         if let Some(a) = p.aeth {
-            assert_eq!(num(row[8]), u64::from(a.msn), "{ctx}");
+            assert_eq!(num(&row[8]), u64::from(a.msn), "{ctx}");
         }
         if let Some(v) = p.imm {
             // Printed as bare hex, once per ImmDt field tshark defines.
@@ -232,7 +238,7 @@ fn tshark_decodes_what_we_encode() {
         if !row[10].is_empty() {
             icrc_shown += 1;
             assert_eq!(
-                num(row[10]) as u32,
+                num(&row[10]) as u32,
                 u32::from_be_bytes(f.icrc.to_le_bytes()),
                 "{ctx}"
             );
@@ -318,40 +324,20 @@ fn tshark_decodes_engine_traffic() {
         frames.len(),
         "every engine frame verifies"
     );
-    let out = Command::new("tshark")
-        .arg("-r")
-        .arg(&path)
-        .args(["-T", "fields", "-E", "separator=;"])
-        .args([
-            "-e",
+    let rows = tshark_fields(
+        &path,
+        &[
             "infiniband.bth.opcode",
-            "-e",
             "infiniband.bth.destqp",
-            "-e",
             "infiniband.bth.psn",
-            "-e",
             "udp.length",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let text = String::from_utf8(out.stdout).unwrap();
-    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(';').collect()).collect();
     assert_eq!(rows.len(), frames.len());
-    let num = |s: &str| -> u64 {
-        match s.trim().strip_prefix("0x") {
-            Some(h) => u64::from_str_radix(h, 16).unwrap(),
-            None => s.trim().parse().unwrap(),
-        }
-    };
     for (row, f) in rows.iter().zip(&frames) {
         let b = &f.packet.bth;
         assert_eq!(
-            (num(row[0]), num(row[1]), num(row[2]), num(row[3])),
+            (num(&row[0]), num(&row[1]), num(&row[2]), num(&row[3])),
             (
                 u64::from(b.opcode.0),
                 u64::from(b.dest_qp),

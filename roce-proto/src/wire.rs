@@ -84,7 +84,8 @@ pub struct Udp {
 }
 
 impl Udp {
-    fn bytes(&self) -> [u8; 8] {
+    /// The 8 header bytes as on the wire.
+    pub fn bytes(&self) -> [u8; 8] {
         let mut b = [0u8; 8];
         b[0..2].copy_from_slice(&self.sport.to_be_bytes());
         b[2..4].copy_from_slice(&self.dport.to_be_bytes());

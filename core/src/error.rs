@@ -93,6 +93,11 @@ pub enum Error {
     /// The transport cannot perform this operation.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The operation was interrupted in a way that leaves its outcome unknown:
+    /// it may or may not have taken effect at the peer (e.g. an atomic whose
+    /// answer was lost when an RDMA queue pair was reset). Not retried for you.
+    #[error("outcome unknown: {0}")]
+    Indeterminate(String),
     /// Establishing the connection failed (resolve, connect, listen).
     #[error("connect failed: {0}")]
     Connect(String),

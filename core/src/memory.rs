@@ -51,7 +51,12 @@ impl Access {
         self.0 & other.0 == other.0
     }
 
-    /// The raw bit set.
+    /// Flags from raw bits (unknown bits are ignored).
+    pub fn from_bits(bits: u8) -> Access {
+        Access(bits & Access::ALL.0)
+    }
+
+    /// The flags as bits (see [`Access::from_bits`]).
     pub fn bits(self) -> u8 {
         self.0
     }
@@ -314,6 +319,22 @@ impl Domain {
             None if table.revoked.contains(&rkey) => Err(AccessError::Revoked),
             None => Err(AccessError::UnknownKey),
         }
+    }
+
+    /// Check, without moving data, that a remote access of `len` bytes at `addr`
+    /// under `rkey` needing `need` would be allowed (what a NIC checks on the
+    /// first packet of a request, rocev2-reference §4).
+    pub fn check_access(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(), AccessError> {
+        if need.contains(Access::REMOTE_ATOMIC) && addr % 8 != 0 {
+            return Err(AccessError::Misaligned);
+        }
+        self.check(rkey, addr, len, need).map(|_| ())
     }
 
     /// Resolve and check a remote access of `len` bytes at `addr` needing `need`.

@@ -95,7 +95,13 @@ impl Ipv4IdSolver {
     /// The Identification value under which `wire_icrc` is the packet's ICRC,
     /// given its IPv4 header `ip` (any Identification), UDP header and transport
     /// bytes; `None` if there is none (the packet is corrupt).
-    pub fn solve(&mut self, ip: &[u8], udp: &[u8], transport: &[u8], wire_icrc: u32) -> Option<u16> {
+    pub fn solve(
+        &mut self,
+        ip: &[u8],
+        udp: &[u8],
+        transport: &[u8],
+        wire_icrc: u32,
+    ) -> Option<u16> {
         let mut h = ip.to_vec();
         h[4] = 0;
         h[5] = 0;

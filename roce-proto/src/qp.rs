@@ -58,6 +58,8 @@ pub struct QpConfig {
     /// DCQCN congestion control; `None` disables the sender's rate limiter
     /// (CNPs are still sent for CE-marked packets, as NICs do).
     pub dcqcn: Option<DcqcnConfig>,
+    /// Selective repeat instead of go-back-N (rdmx peers only; see [`Qp::set_selective_repeat`]).
+    pub selective_repeat: bool,
 }
 
 impl Default for QpConfig {
@@ -72,6 +74,7 @@ impl Default for QpConfig {
             max_unacked: 128,
             ack_every: 64,
             dcqcn: Some(DcqcnConfig::default()),
+            selective_repeat: false,
         }
     }
 }
@@ -211,6 +214,9 @@ pub enum QpError {
     /// A write-with-immediate or read larger than 2^31 bytes.
     #[error("message too large")]
     TooLarge,
+    /// Not a path MTU IBTA allows.
+    #[error("path MTU {0} is not one of 256, 512, 1024, 2048, 4096")]
+    BadMtu(u32),
 }
 
 /// Counters of protocol events.
@@ -242,6 +248,10 @@ pub struct QpStats {
     pub cnps_sent: u64,
     /// CNPs received and handled (reaction point).
     pub cnps_received: u64,
+    /// Remote WRITEs, READs and atomics this responder executed (not duplicates).
+    pub remote_ops: u64,
+    /// Remote accesses this responder refused (NAK remote access / invalid request).
+    pub remote_denied: u64,
 }
 
 // ------------------------------------------------------------------ requester
@@ -419,6 +429,25 @@ impl Qp {
         self.expect(QpState::Reset)?;
         self.state = QpState::Init;
         Ok(())
+    }
+
+    /// Set the path MTU before the QP is connected (`ibv_modify_qp` to RTR
+    /// carries it): 256, 512, 1024, 2048 or 4096.
+    pub fn set_pmtu(&mut self, pmtu: u32) -> Result<(), QpError> {
+        if !matches!(self.state, QpState::Reset | QpState::Init) {
+            return Err(QpError::State(self.state));
+        }
+        if !matches!(pmtu, 256 | 512 | 1024 | 2048 | 4096) {
+            return Err(QpError::BadMtu(pmtu));
+        }
+        self.cfg.pmtu = pmtu;
+        Ok(())
+    }
+
+    /// Loss recovery: selective repeat (both ends must be rdmx engines that
+    /// agreed at connect) or go-back-N (the standard, and what NICs speak).
+    pub fn set_selective_repeat(&mut self, on: bool) {
+        self.cfg.selective_repeat = on;
     }
 
     /// INIT → RTR: the peer's QPN and the PSN it will start sending with.
@@ -669,17 +698,24 @@ impl Qp {
                 pkt.payload = seg(data);
             }
             WorkRequest::Read { va, rkey, len } => {
-                // One request covers the read's remaining PSNs (rocev2-reference
-                // §6). A retried read resumes after the responses already
-                // received: VA advanced, length reduced (§7, rxe req_retry).
+                // A READ is requested in chunks of at most `max_unacked` response
+                // packets on a fixed grid from its first PSN, each chunk a READ
+                // request of its own (rocev2-reference §6), so the responses of
+                // one request never outrun the window the receiver can take. A
+                // retried read resumes after the responses already received, up
+                // to the end of its chunk: VA advanced, length reduced (§7, rxe
+                // req_retry), so the responder recognises it as a duplicate.
+                let c = self.cfg.max_unacked.max(1);
+                let end = ((idx / c + 1) * c).min(wqe.npkts);
                 let done = idx as u64 * pmtu as u64;
+                let left = u64::from(*len) - done.min(u64::from(*len));
                 pkt.bth.opcode = Opcode::RDMA_READ_REQUEST;
                 pkt.reth = Some(Reth {
                     va: va + done,
                     rkey: *rkey,
-                    dma_len: (u64::from(*len) - done.min(u64::from(*len))) as u32,
+                    dma_len: left.min(u64::from(end - idx) * pmtu as u64) as u32,
                 });
-                advance = wqe.npkts - idx;
+                advance = end - idx;
             }
             WorkRequest::Atomic { va, rkey, op } => {
                 let (opcode, swap_add, compare) = match *op {
@@ -1022,9 +1058,12 @@ impl Qp {
         }
         let idx = psn::diff(p, w.first_psn) as u32;
         let is_last = idx + 1 == w.npkts;
-        // Opcodes count from the request that is answering (a resumed read's
-        // responses start again with FIRST or ONLY).
-        let expected = match (p == w.round_start, is_last) {
+        // Opcodes count from the request that is answering: each chunk, and a
+        // resumed read, start again with FIRST or ONLY.
+        let c = self.cfg.max_unacked.max(1);
+        let starts = p == w.round_start || idx % c == 0;
+        let ends = is_last || (idx + 1) % c == 0;
+        let expected = match (starts, ends) {
             (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
             (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,
             (false, false) => Opcode::RDMA_READ_RESPONSE_MIDDLE,
@@ -1041,6 +1080,8 @@ impl Qp {
         }
         w.read_buf.extend_from_slice(&pkt.payload);
         w.read_next = psn::add(p, 1);
+        // Responses acknowledge their own PSNs (IBTA 9.7.5.1.3): the window moves.
+        self.una = w.read_next;
         if is_last {
             w.done = Some((WcStatus::Success, None));
             self.una = psn::add(p, 1);
@@ -1089,6 +1130,9 @@ impl Qp {
 
     fn send_nak(&mut self, code: NakCode, fatal: bool) {
         self.stats.naks_sent += 1;
+        if matches!(code, NakCode::RemoteAccessError | NakCode::InvalidRequest) {
+            self.stats.remote_denied += 1;
+        }
         let nak = self.ack_packet(self.epsn, nak_syndrome(code));
         self.resp_tx.push_back(nak);
         if fatal {
@@ -1285,6 +1329,7 @@ impl Qp {
         }
         if ends {
             self.open = None;
+            self.stats.remote_ops += 1;
             if with_imm {
                 let r = self.rq.pop_front().expect("checked above");
                 let mut c = Completion::new(r.wr_id, WcStatus::Success, WcOpcode::RecvWriteImm);
@@ -1363,6 +1408,7 @@ impl Qp {
         if let Err(e) = self.read_responses(first, reth, mem) {
             return self.send_nak(mem_nak(e), true);
         }
+        self.stats.remote_ops += 1;
         self.remember(Resource::Read {
             first_psn: first,
             npkts,
@@ -1391,6 +1437,7 @@ impl Qp {
             Err(e) => return self.send_nak(mem_nak(e), true),
         };
         self.msn = psn::add(self.msn, 1);
+        self.stats.remote_ops += 1;
         self.atomic_ack(pkt.bth.psn, orig);
         self.remember(Resource::Atomic {
             psn: pkt.bth.psn,

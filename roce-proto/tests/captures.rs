@@ -125,7 +125,11 @@ fn ipv4_identification_is_recovered_from_the_icrc() {
             hidden[4] = 0x5a;
             hidden[5] = 0xa5;
             let udp = f.udp.bytes();
-            assert_eq!(solver.solve(&hidden, &udp, &t, f.icrc), Some(wire_id), "{name}");
+            assert_eq!(
+                solver.solve(&hidden, &udp, &t, f.icrc),
+                Some(wire_id),
+                "{name}"
+            );
             // A flipped payload or header bit no longer solves (2^-16 chance each).
             let last = t.len() - 1;
             t[last] ^= 0x10;

@@ -51,7 +51,8 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub(crate) fn from_options(o: &Options) -> Result<Limits> {
+    /// Our limits from the connection options (validated).
+    pub fn from_options(o: &Options) -> Result<Limits> {
         // Credits are returned once a quarter of the window is consumed, so a
         // message must fit in the remaining three quarters (see conn.rs).
         if o.recv_credits < 4 || o.max_message > o.recv_window / 4 * 3 {

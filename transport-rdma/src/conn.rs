@@ -1,0 +1,1308 @@
+//! One rdmx connection over an RC queue pair, bootstrapped over TCP.
+//!
+//! ```text
+//! TCP:  handshake (magic, version, limits, auth)  ─> PARAMS (QPN, PSN, GID, UDP port, MTU, SR)
+//!       ─> READY; then the TCP stream stays as the control channel:
+//!       CREDIT (receives re-posted), CLASSIFY (why was an access refused?),
+//!       RESET / RESET_ACK / NEED_RESET (replace a QP that went to ERROR), CLOSE.
+//! RC QP: every send, write, read and atomic.
+//! ```
+//!
+//! A remote access violation puts both QPs in ERROR (IBTA 9.9.3, class C
+//! errors), as on any NIC. The connection then replaces its QP: the peers
+//! exchange new QPNs/PSNs and how far each responder executed, so flushed
+//! requests that never ran are re-posted, and ones that ran complete
+//! (an atomic whose answer was lost reports [`Error::Indeterminate`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes};
+use parking_lot::Mutex;
+use rdmx_core::stats::new_stats;
+use rdmx_core::{
+    Access, AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error,
+    Incoming, RawConnection, RemoteRegion, Result, Stats, Support,
+};
+use rdmx_transport_tcp::handshake::{Agreed, Limits};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::{debug, info_span, warn, Instrument};
+
+use crate::verbs::{
+    CompletionQueue, CqWaiter, ProtectionDomain, Provider, QpOptions, QpPeer, QueuePair, SendOp,
+    SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// Version of the RDMA bootstrap (PARAMS and control messages).
+pub const RDMA_VERSION: u16 = 1;
+const PARAMS_MAGIC: &[u8; 4] = b"RDMA";
+const PARAMS_LEN: usize = 36;
+const FLAG_SR: u16 = 1;
+const RECV_BIT: u64 = 1 << 63;
+/// Largest single READ/WRITE (the RETH DMA length is 32 bits; 2^31 as rxe).
+pub const MAX_RDMA_SIZE: u64 = 1 << 31;
+
+fn psn_diff(a: u32, b: u32) -> i32 {
+    ((a.wrapping_sub(b)) << 8) as i32 >> 8
+}
+
+/// What each side tells the other about its QP (the PARAMS message).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Params {
+    pub(crate) version: u16,
+    pub(crate) selective_repeat: bool,
+    pub(crate) qpn: u32,
+    pub(crate) psn: u32,
+    pub(crate) udp_port: u16,
+    pub(crate) mtu: u32,
+    pub(crate) gid: IpAddr,
+}
+
+impl Params {
+    fn encode(&self) -> [u8; PARAMS_LEN] {
+        let mut b = Vec::with_capacity(PARAMS_LEN);
+        b.put_slice(PARAMS_MAGIC);
+        b.put_u16_le(self.version);
+        b.put_u16_le(if self.selective_repeat { FLAG_SR } else { 0 });
+        b.put_u32_le(self.qpn);
+        b.put_u32_le(self.psn);
+        b.put_u16_le(self.udp_port);
+        b.put_u16_le(self.mtu as u16);
+        let gid = match self.gid {
+            IpAddr::V4(a) => a.to_ipv6_mapped(),
+            IpAddr::V6(a) => a,
+        };
+        b.put_slice(&gid.octets());
+        b.try_into().expect("36 bytes")
+    }
+
+    fn decode(b: &[u8; PARAMS_LEN]) -> Result<Params> {
+        if &b[..4] != PARAMS_MAGIC {
+            return Err(Error::Protocol(
+                "peer is not an rdmx RDMA endpoint (is it listening with tcp://?)".into(),
+            ));
+        }
+        let mut r = &b[4..];
+        let version = r.get_u16_le();
+        if version != RDMA_VERSION {
+            return Err(Error::VersionMismatch {
+                local: RDMA_VERSION,
+                peer: version,
+            });
+        }
+        let flags = r.get_u16_le();
+        let qpn = r.get_u32_le() & 0xFF_FFFF;
+        let psn = r.get_u32_le() & 0xFF_FFFF;
+        let udp_port = r.get_u16_le();
+        let mtu = u32::from(r.get_u16_le());
+        let mut g = [0u8; 16];
+        r.copy_to_slice(&mut g);
+        if !matches!(mtu, 256 | 512 | 1024 | 2048 | 4096) {
+            return Err(Error::Protocol(format!("peer offered path MTU {mtu}")));
+        }
+        Ok(Params {
+            version,
+            selective_repeat: flags & FLAG_SR != 0,
+            qpn,
+            psn,
+            udp_port,
+            mtu,
+            gid: IpAddr::V6(g.into()).to_canonical(),
+        })
+    }
+}
+
+/// Control-channel messages (after the bootstrap).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ctl {
+    Close,
+    Credit {
+        msgs: u32,
+        bytes: u64,
+    },
+    Classify {
+        id: u64,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: u8,
+    },
+    Classified {
+        id: u64,
+        code: u8,
+    },
+    Reset {
+        gen: u32,
+        qpn: u32,
+        psn: u32,
+        epsn: u32,
+    },
+    ResetAck {
+        gen: u32,
+        qpn: u32,
+        psn: u32,
+        epsn: u32,
+    },
+    NeedReset {
+        gen: u32,
+    },
+}
+
+impl Ctl {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.put_u8(0);
+        out.put_u8(0);
+        match *self {
+            Ctl::Close => out[start] = 1,
+            Ctl::Credit { msgs, bytes } => {
+                out[start] = 2;
+                out.put_u32_le(msgs);
+                out.put_u64_le(bytes);
+            }
+            Ctl::Classify {
+                id,
+                rkey,
+                addr,
+                len,
+                need,
+            } => {
+                out[start] = 3;
+                out.put_u64_le(id);
+                out.put_u32_le(rkey);
+                out.put_u64_le(addr);
+                out.put_u64_le(len);
+                out.put_u8(need);
+            }
+            Ctl::Classified { id, code } => {
+                out[start] = 4;
+                out.put_u64_le(id);
+                out.put_u8(code);
+            }
+            Ctl::Reset {
+                gen,
+                qpn,
+                psn,
+                epsn,
+            }
+            | Ctl::ResetAck {
+                gen,
+                qpn,
+                psn,
+                epsn,
+            } => {
+                out[start] = if matches!(self, Ctl::Reset { .. }) {
+                    5
+                } else {
+                    6
+                };
+                out.put_u32_le(gen);
+                out.put_u32_le(qpn);
+                out.put_u32_le(psn);
+                out.put_u32_le(epsn);
+            }
+            Ctl::NeedReset { gen } => {
+                out[start] = 7;
+                out.put_u32_le(gen);
+            }
+        }
+        out[start + 1] = (out.len() - start - 2) as u8;
+    }
+
+    fn decode(kind: u8, mut b: &[u8]) -> Result<Ctl> {
+        let need = |n: usize, b: &[u8]| {
+            if b.len() == n {
+                Ok(())
+            } else {
+                Err(Error::Protocol(format!(
+                    "control message {kind} has {} bytes, expected {n}",
+                    b.len()
+                )))
+            }
+        };
+        Ok(match kind {
+            1 => {
+                need(0, b)?;
+                Ctl::Close
+            }
+            2 => {
+                need(12, b)?;
+                Ctl::Credit {
+                    msgs: b.get_u32_le(),
+                    bytes: b.get_u64_le(),
+                }
+            }
+            3 => {
+                need(29, b)?;
+                Ctl::Classify {
+                    id: b.get_u64_le(),
+                    rkey: b.get_u32_le(),
+                    addr: b.get_u64_le(),
+                    len: b.get_u64_le(),
+                    need: b.get_u8(),
+                }
+            }
+            4 => {
+                need(9, b)?;
+                Ctl::Classified {
+                    id: b.get_u64_le(),
+                    code: b.get_u8(),
+                }
+            }
+            5 | 6 => {
+                need(16, b)?;
+                let (gen, qpn, psn, epsn) = (
+                    b.get_u32_le(),
+                    b.get_u32_le(),
+                    b.get_u32_le(),
+                    b.get_u32_le(),
+                );
+                if kind == 5 {
+                    Ctl::Reset {
+                        gen,
+                        qpn,
+                        psn,
+                        epsn,
+                    }
+                } else {
+                    Ctl::ResetAck {
+                        gen,
+                        qpn,
+                        psn,
+                        epsn,
+                    }
+                }
+            }
+            7 => {
+                need(4, b)?;
+                Ctl::NeedReset {
+                    gen: b.get_u32_le(),
+                }
+            }
+            k => return Err(Error::Protocol(format!("unknown control message {k}"))),
+        })
+    }
+}
+
+async fn read_ctl(r: &mut OwnedReadHalf) -> std::io::Result<Ctl> {
+    let mut h = [0u8; 2];
+    r.read_exact(&mut h).await?;
+    let mut body = vec![0u8; usize::from(h[1])];
+    r.read_exact(&mut body).await?;
+    Ctl::decode(h[0], &body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+pub(crate) fn capabilities(max_message: u64, max_inflight: u32, credits: u32) -> Capabilities {
+    Capabilities {
+        transport: "rdma".into(),
+        rdma: true,
+        send: Support::Native,
+        write: Support::Native,
+        read: Support::Native,
+        atomics: Support::Native,
+        write_with_imm: Support::Native,
+        max_message_size: max_message,
+        max_rdma_size: MAX_RDMA_SIZE,
+        max_inflight,
+        recv_credits: credits,
+    }
+}
+
+type Reply = oneshot::Sender<Result<WorkCompletion>>;
+
+struct Pending {
+    op: SendOp,
+    /// QP it is posted on (0: parked, waiting for a QP reset to finish).
+    qpn: u32,
+    first_psn: u32,
+    npkts: u32,
+    reply: Option<Reply>,
+}
+
+struct State {
+    qp: Arc<dyn QueuePair>,
+    gen: u32,
+    next_psn: u32,
+    next_wr: u64,
+    next_recv: u64,
+    pending: BTreeMap<u64, Pending>,
+    resetting: bool,
+    /// Client side of a reset: the new QP and its PSN, until RESET_ACK.
+    fresh: Option<(Arc<dyn QueuePair>, u32)>,
+    /// Messages delivered to the app and not yet consumed.
+    buffered: u32,
+    /// Consumed since the last CREDIT message.
+    consumed: (u32, u64),
+    classifying: HashMap<u64, Reply>,
+    inc_tx: Option<mpsc::UnboundedSender<Incoming>>,
+}
+
+struct Credits {
+    msgs: u32,
+    bytes: u64,
+}
+
+/// What both ends agreed for this connection.
+pub(crate) struct Setup {
+    pub(crate) stream: TcpStream,
+    pub(crate) domain: Domain,
+    pub(crate) provider: Arc<dyn Provider>,
+    pub(crate) qp_opts: QpOptions,
+    pub(crate) ours: Limits,
+    pub(crate) agreed: Agreed,
+    pub(crate) max_inflight: u32,
+    pub(crate) connect_timeout: std::time::Duration,
+    pub(crate) server: bool,
+}
+
+pub(crate) struct Shared {
+    info: ConnectionInfo,
+    stats: Arc<Stats>,
+    domain: Domain,
+    pd: Arc<dyn ProtectionDomain>,
+    cq: Arc<dyn CompletionQueue>,
+    qp_opts: QpOptions,
+    server: bool,
+    ours: Limits,
+    peer_limits: Limits,
+    /// Path parameters reused for replacement QPs.
+    path: QpPeer,
+    st: Mutex<State>,
+    ctl: mpsc::UnboundedSender<Ctl>,
+    incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+    credits: Mutex<Credits>,
+    credit_notify: Notify,
+    dead: Mutex<Option<Error>>,
+    is_dead: AtomicBool,
+    stop: Notify,
+}
+
+/// The connection handle; dropping the last one closes the connection.
+pub(crate) struct RdmaConnection {
+    sh: Arc<Shared>,
+}
+
+impl Drop for RdmaConnection {
+    fn drop(&mut self) {
+        let _ = self.sh.ctl.send(Ctl::Close);
+        self.sh
+            .die(Error::Disconnected("connection closed locally".into()));
+    }
+}
+
+fn random_psn() -> u32 {
+    rand::random::<u32>() & 0xFF_FFFF
+}
+
+fn post_receives(qp: &dyn QueuePair, st_next: &mut u64, n: u32, max_len: u64) -> Result<()> {
+    for _ in 0..n {
+        let id = RECV_BIT | *st_next;
+        *st_next += 1;
+        qp.post_recv(id, max_len as usize)?;
+    }
+    Ok(())
+}
+
+/// Run the RDMA bootstrap on an authenticated TCP stream and start the connection.
+pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
+    let Setup {
+        mut stream,
+        domain,
+        provider,
+        qp_opts,
+        ours,
+        agreed,
+        max_inflight,
+        connect_timeout,
+        server,
+    } = s;
+    let local_addr = stream.local_addr().ok();
+    let peer_addr = stream
+        .peer_addr()
+        .map_err(|e| Error::Disconnected(format!("bootstrap: {e}")))?;
+    let local_ip = local_addr
+        .map(|a| a.ip().to_canonical())
+        .ok_or_else(|| Error::Connect("bootstrap socket has no local address".into()))?;
+    let port = provider.port_for(local_ip)?;
+    let pd = provider.alloc_pd(&domain)?;
+    let cq = provider.create_cq(ours.credits as usize + max_inflight as usize)?;
+    let qp = pd.create_qp(&cq, qp_opts)?;
+    let mut next_recv = 0;
+    post_receives(&*qp, &mut next_recv, ours.credits, ours.max_message)?;
+    let mine = Params {
+        version: RDMA_VERSION,
+        selective_repeat: provider.selective_repeat(),
+        qpn: qp.qpn(),
+        psn: random_psn(),
+        udp_port: port.udp_port,
+        mtu: port.mtu,
+        gid: port.gid,
+    };
+    let exchange = async {
+        let mut theirs = [0u8; PARAMS_LEN];
+        let io = |e: std::io::Error| Error::Disconnected(format!("RDMA bootstrap: {e}"));
+        // The server connects its QP before answering and the client before
+        // READY, so no packet reaches a QP that cannot take it yet.
+        if server {
+            stream.read_exact(&mut theirs).await.map_err(io)?;
+            let peer = Params::decode(&theirs)?;
+            let path = connect_qp(&*qp, &mine, &peer, local_ip)?;
+            stream.write_all(&mine.encode()).await.map_err(io)?;
+            let mut ready = [0u8; 1];
+            stream.read_exact(&mut ready).await.map_err(io)?;
+            Ok::<_, Error>((peer, path))
+        } else {
+            stream.write_all(&mine.encode()).await.map_err(io)?;
+            stream.read_exact(&mut theirs).await.map_err(io)?;
+            let peer = Params::decode(&theirs)?;
+            let path = connect_qp(&*qp, &mine, &peer, local_ip)?;
+            stream.write_all(&[1]).await.map_err(io)?;
+            Ok((peer, path))
+        }
+    };
+    let (peer, path) = tokio::time::timeout(connect_timeout, exchange)
+        .await
+        .map_err(|_| Error::TimedOut(connect_timeout))??;
+    let mode = if path.selective_repeat {
+        "selective repeat"
+    } else {
+        "go-back-N"
+    };
+    let info = ConnectionInfo {
+        transport: "rdma".into(),
+        provider: format!(
+            "{} (QPN {:#x} -> {:#x}, MTU {}, {mode})",
+            provider.device_name(),
+            mine.qpn,
+            peer.qpn,
+            path.mtu
+        ),
+        fallback_reason: None,
+        local_addr,
+        peer_addr: Some(peer_addr),
+        capabilities: capabilities(agreed.peer.max_message, max_inflight, agreed.peer.credits),
+        authenticated: agreed.authenticated,
+    };
+    let _ = stream.set_nodelay(true);
+    let (rd, wr) = stream.into_split();
+    let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+    let (inc_tx, inc_rx) = mpsc::unbounded_channel();
+    let stats = new_stats();
+    stats.add(|s| &s.connections, 1);
+    qp.attach_stats(stats.clone());
+    let sh = Arc::new(Shared {
+        info,
+        stats,
+        domain,
+        pd,
+        cq: cq.clone(),
+        qp_opts,
+        server,
+        ours,
+        peer_limits: agreed.peer,
+        path,
+        st: Mutex::new(State {
+            qp,
+            gen: 0,
+            next_psn: mine.psn,
+            next_wr: 1,
+            next_recv,
+            pending: BTreeMap::new(),
+            resetting: false,
+            fresh: None,
+            buffered: 0,
+            consumed: (0, 0),
+            classifying: HashMap::new(),
+            inc_tx: Some(inc_tx),
+        }),
+        ctl: ctl_tx,
+        incoming: tokio::sync::Mutex::new(inc_rx),
+        credits: Mutex::new(Credits {
+            msgs: agreed.peer.credits,
+            bytes: agreed.peer.window,
+        }),
+        credit_notify: Notify::new(),
+        dead: Mutex::new(None),
+        is_dead: AtomicBool::new(false),
+        stop: Notify::new(),
+    });
+    let waiter = CqWaiter::new(cq)?;
+    let span = info_span!("rdma_conn", peer = %peer_addr, qpn = mine.qpn, server);
+    let (msg_tx, msg_rx) = mpsc::unbounded_channel();
+    tokio::spawn(ctl_reader(rd, msg_tx).instrument(span.clone()));
+    tokio::spawn(ctl_writer(wr, ctl_rx).instrument(span.clone()));
+    tokio::spawn(drive(sh.clone(), waiter, msg_rx).instrument(span));
+    debug!(
+        qpn = mine.qpn,
+        peer_qpn = peer.qpn,
+        mtu = path.mtu,
+        mode,
+        "RDMA connection up"
+    );
+    Ok(RdmaConnection { sh })
+}
+
+fn connect_qp(qp: &dyn QueuePair, mine: &Params, peer: &Params, local: IpAddr) -> Result<QpPeer> {
+    let path = QpPeer {
+        local,
+        qpn: peer.qpn,
+        psn: peer.psn,
+        addr: SocketAddr::new(peer.gid, peer.udp_port),
+        mtu: mine.mtu.min(peer.mtu),
+        selective_repeat: mine.selective_repeat && peer.selective_repeat,
+    };
+    qp.connect(path, mine.psn)?;
+    Ok(path)
+}
+
+async fn ctl_reader(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<std::io::Result<Ctl>>) {
+    loop {
+        let m = read_ctl(&mut rd).await;
+        let end = m.is_err();
+        if tx.send(m).is_err() || end {
+            return;
+        }
+    }
+}
+
+async fn ctl_writer(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Ctl>) {
+    let mut buf = Vec::new();
+    while let Some(m) = rx.recv().await {
+        buf.clear();
+        m.encode(&mut buf);
+        let mut close = m == Ctl::Close;
+        while let Ok(m) = rx.try_recv() {
+            m.encode(&mut buf);
+            close |= m == Ctl::Close;
+        }
+        if wr.write_all(&buf).await.is_err() || close {
+            let _ = wr.shutdown().await;
+            return;
+        }
+    }
+}
+
+async fn drive(
+    sh: Arc<Shared>,
+    mut waiter: CqWaiter,
+    mut ctl: mpsc::UnboundedReceiver<std::io::Result<Ctl>>,
+) {
+    let mut wcs = Vec::with_capacity(64);
+    loop {
+        tokio::select! {
+            r = waiter.next(&mut wcs, 64) => {
+                if let Err(e) = r {
+                    sh.die(e);
+                    return;
+                }
+                for wc in wcs.drain(..) {
+                    sh.on_completion(wc);
+                }
+            }
+            m = ctl.recv() => match m {
+                Some(Ok(Ctl::Close)) => {
+                    sh.die(Error::Disconnected("peer closed the connection".into()));
+                    return;
+                }
+                Some(Ok(m)) => sh.on_ctl(m),
+                Some(Err(e)) => {
+                    let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        "peer went away (control connection closed)".to_string()
+                    } else {
+                        format!("control connection: {e}")
+                    };
+                    sh.die(Error::Disconnected(why));
+                    return;
+                }
+                None => return,
+            },
+            _ = sh.stop.notified() => return,
+        }
+        if sh.is_dead.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+fn status_error(s: WcStatus) -> Error {
+    match s {
+        WcStatus::RetryExceeded | WcStatus::RnrRetryExceeded => {
+            Error::Disconnected(s.hint().to_string())
+        }
+        _ => Error::Protocol(format!("{s:?}: {}", s.hint())),
+    }
+}
+
+impl Shared {
+    fn dead_error(&self) -> Error {
+        self.dead
+            .lock()
+            .clone()
+            .unwrap_or_else(|| Error::Disconnected("connection closed".into()))
+    }
+
+    /// Fail everything and stop: the connection cannot be used any more.
+    fn die(&self, e: Error) {
+        if self.is_dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        debug!(error = %e, "RDMA connection down");
+        *self.dead.lock() = Some(e.clone());
+        let (replies, qp) = {
+            let mut st = self.st.lock();
+            st.inc_tx = None;
+            let mut replies: Vec<Reply> = st
+                .pending
+                .values_mut()
+                .filter_map(|p| p.reply.take())
+                .collect();
+            st.pending.clear();
+            replies.extend(st.classifying.drain().map(|(_, r)| r));
+            (replies, st.qp.clone())
+        };
+        for r in replies {
+            let _ = r.send(Err(e.clone()));
+        }
+        qp.to_error();
+        self.credit_notify.notify_waiters();
+        self.stop.notify_one();
+    }
+
+    /// Post `op` (or park it while the QP is being replaced).
+    fn submit(&self, op: SendOp) -> Result<oneshot::Receiver<Result<WorkCompletion>>> {
+        if self.is_dead.load(Ordering::Acquire) {
+            return Err(self.dead_error());
+        }
+        let (tx, rx) = oneshot::channel();
+        let mut st = self.st.lock();
+        let wr_id = st.next_wr;
+        st.next_wr += 1;
+        let mut p = Pending {
+            op,
+            qpn: 0,
+            first_psn: 0,
+            npkts: 0,
+            reply: Some(tx),
+        };
+        if !st.resetting {
+            Self::post(&mut st, self.path.mtu, wr_id, &mut p)?;
+        }
+        st.pending.insert(wr_id, p);
+        Ok(rx)
+    }
+
+    fn post(st: &mut State, mtu: u32, wr_id: u64, p: &mut Pending) -> Result<()> {
+        p.qpn = st.qp.qpn();
+        p.first_psn = st.next_psn;
+        p.npkts = p.op.psn_count(mtu);
+        st.next_psn = (st.next_psn + p.npkts) & 0xFF_FFFF;
+        st.qp.post_send(SendWr {
+            wr_id,
+            op: p.op.clone(),
+        })
+    }
+
+    fn on_completion(&self, wc: WorkCompletion) {
+        let mut st = self.st.lock();
+        if wc.qpn != st.qp.qpn() {
+            return; // from a QP that was replaced: settled by the reset
+        }
+        if wc.wr_id & RECV_BIT != 0 {
+            match wc.status {
+                WcStatus::Success => {
+                    let inc = match wc.opcode {
+                        WcOpcode::RecvWriteImm => Incoming::WriteImm {
+                            imm: wc.imm.unwrap_or(0),
+                            len: wc.byte_len,
+                        },
+                        _ => Incoming::Message(wc.data),
+                    };
+                    st.buffered += 1;
+                    self.stats.add(|s| &s.bytes_received, wc.byte_len);
+                    if let Some(tx) = &st.inc_tx {
+                        let _ = tx.send(inc);
+                    }
+                }
+                WcStatus::Flushed => self.begin_reset(&mut st),
+                s => {
+                    drop(st);
+                    self.die(status_error(s));
+                }
+            }
+            return;
+        }
+        let Some(p) = st.pending.get(&wc.wr_id) else {
+            return;
+        };
+        if p.qpn != wc.qpn {
+            return;
+        }
+        match wc.status {
+            WcStatus::Success => {
+                let mut p = st.pending.remove(&wc.wr_id).expect("present");
+                drop(st);
+                match wc.opcode {
+                    WcOpcode::Send | WcOpcode::Write => {
+                        self.stats.add(|s| &s.bytes_sent, wc.byte_len)
+                    }
+                    WcOpcode::Read => self.stats.add(|s| &s.bytes_received, wc.byte_len),
+                    _ => {}
+                }
+                if let Some(r) = p.reply.take() {
+                    let _ = r.send(Ok(wc));
+                }
+            }
+            WcStatus::Flushed => self.begin_reset(&mut st),
+            WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest => {
+                let mut p = st.pending.remove(&wc.wr_id).expect("present");
+                let reply = p.reply.take();
+                let target = match p.op {
+                    SendOp::Write { dst, .. } => Some((dst, Access::REMOTE_WRITE)),
+                    SendOp::Read { src } => Some((src, Access::REMOTE_READ)),
+                    SendOp::CompareSwap { dst, .. } | SendOp::FetchAdd { dst, .. } => {
+                        Some((dst, Access::REMOTE_ATOMIC))
+                    }
+                    SendOp::Send { .. } => None,
+                };
+                match (target, reply) {
+                    (Some((r, need)), Some(reply)) => {
+                        // The NAK says "refused", not why: ask the peer's domain.
+                        let id = wc.wr_id;
+                        st.classifying.insert(id, reply);
+                        let _ = self.ctl.send(Ctl::Classify {
+                            id,
+                            rkey: r.rkey,
+                            addr: r.addr,
+                            len: r.len,
+                            need: need.bits(),
+                        });
+                    }
+                    (None, Some(reply)) => {
+                        let _ = reply.send(Err(status_error(wc.status)));
+                    }
+                    _ => {}
+                }
+                self.begin_reset(&mut st);
+            }
+            WcStatus::RetryExceeded | WcStatus::RnrRetryExceeded => {
+                drop(st);
+                self.die(status_error(wc.status));
+            }
+            s => {
+                let mut p = st.pending.remove(&wc.wr_id).expect("present");
+                if let Some(r) = p.reply.take() {
+                    let _ = r.send(Err(status_error(s)));
+                }
+                self.begin_reset(&mut st);
+            }
+        }
+    }
+
+    /// Our QP is in ERROR: start replacing it (the client leads, the server asks).
+    fn begin_reset(&self, st: &mut State) {
+        if st.resetting || self.is_dead.load(Ordering::Acquire) {
+            return;
+        }
+        st.resetting = true;
+        st.qp.to_error();
+        debug!(gen = st.gen, "QP in error; replacing it");
+        if self.server {
+            let _ = self.ctl.send(Ctl::NeedReset { gen: st.gen });
+            return;
+        }
+        match self.fresh_qp(st) {
+            Ok((qp, psn)) => {
+                let m = Ctl::Reset {
+                    gen: st.gen + 1,
+                    qpn: qp.qpn(),
+                    psn,
+                    epsn: st.qp.expected_psn(),
+                };
+                st.fresh = Some((qp, psn));
+                let _ = self.ctl.send(m);
+            }
+            Err(e) => warn!(error = %e, "cannot create a replacement QP"),
+        }
+    }
+
+    fn fresh_qp(&self, st: &mut State) -> Result<(Arc<dyn QueuePair>, u32)> {
+        let qp = self.pd.create_qp(&self.cq, self.qp_opts)?;
+        qp.attach_stats(self.stats.clone());
+        let n = self.ours.credits.saturating_sub(st.buffered);
+        post_receives(&*qp, &mut st.next_recv, n, self.ours.max_message)?;
+        Ok((qp, random_psn()))
+    }
+
+    /// Collect completions already queued (flushes of the old QP) before settling.
+    fn drain_cq(&self) {
+        let mut wcs = Vec::new();
+        while self.cq.poll(&mut wcs, 256) > 0 {
+            for wc in wcs.drain(..) {
+                self.on_completion(wc);
+            }
+        }
+    }
+
+    fn on_ctl(&self, m: Ctl) {
+        match m {
+            Ctl::Close => {}
+            Ctl::Credit { msgs, bytes } => {
+                let mut c = self.credits.lock();
+                c.msgs = c.msgs.saturating_add(msgs);
+                c.bytes = c.bytes.saturating_add(bytes);
+                drop(c);
+                self.credit_notify.notify_waiters();
+            }
+            Ctl::Classify {
+                id,
+                rkey,
+                addr,
+                len,
+                need,
+            } => {
+                let code = match self
+                    .domain
+                    .check_access(rkey, addr, len, Access::from_bits(need))
+                {
+                    Ok(()) => 0,
+                    Err(e) => e.code(),
+                };
+                let _ = self.ctl.send(Ctl::Classified { id, code });
+            }
+            Ctl::Classified { id, code } => {
+                let reply = self.st.lock().classifying.remove(&id);
+                if let Some(r) = reply {
+                    // Code 0: the peer allows it by now (a region registered in
+                    // between); report the refusal as an unknown key.
+                    let a = AccessError::from_code(code).unwrap_or(AccessError::UnknownKey);
+                    let _ = r.send(Err(Error::RemoteAccess(a)));
+                }
+            }
+            Ctl::NeedReset { gen } => {
+                let mut st = self.st.lock();
+                if gen == st.gen && !self.server {
+                    if st.resetting {
+                        return;
+                    }
+                    self.begin_reset(&mut st);
+                }
+            }
+            Ctl::Reset {
+                gen,
+                qpn,
+                psn,
+                epsn,
+            } => {
+                self.drain_cq();
+                let mut st = self.st.lock();
+                if !self.server || gen != st.gen + 1 {
+                    drop(st);
+                    self.die(Error::Protocol(format!("unexpected QP reset {gen}")));
+                    return;
+                }
+                st.resetting = true;
+                st.qp.to_error();
+                drop(st);
+                self.drain_cq();
+                let mut st = self.st.lock();
+                let (qp, my_psn) = match self.fresh_qp(&mut st) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        drop(st);
+                        self.die(e);
+                        return;
+                    }
+                };
+                let path = QpPeer {
+                    qpn,
+                    psn,
+                    ..self.path
+                };
+                if let Err(e) = qp.connect(path, my_psn) {
+                    drop(st);
+                    self.die(e);
+                    return;
+                }
+                let _ = self.ctl.send(Ctl::ResetAck {
+                    gen,
+                    qpn: qp.qpn(),
+                    psn: my_psn,
+                    epsn: st.qp.expected_psn(),
+                });
+                self.finish_reset(&mut st, qp, my_psn, epsn, gen);
+            }
+            Ctl::ResetAck {
+                gen,
+                qpn,
+                psn,
+                epsn,
+            } => {
+                self.drain_cq();
+                let mut st = self.st.lock();
+                let Some((qp, my_psn)) = st.fresh.take() else {
+                    drop(st);
+                    self.die(Error::Protocol("QP reset answer without a request".into()));
+                    return;
+                };
+                let path = QpPeer {
+                    qpn,
+                    psn,
+                    ..self.path
+                };
+                if let Err(e) = qp.connect(path, my_psn) {
+                    drop(st);
+                    self.die(e);
+                    return;
+                }
+                self.finish_reset(&mut st, qp, my_psn, epsn, gen);
+            }
+        }
+    }
+
+    /// Switch to the new QP. Requests of the old one that the peer executed
+    /// (below its responder's ePSN) complete; the rest are posted again, in
+    /// order, followed by those parked during the reset.
+    fn finish_reset(
+        &self,
+        st: &mut State,
+        qp: Arc<dyn QueuePair>,
+        sq_psn: u32,
+        peer_epsn: u32,
+        gen: u32,
+    ) {
+        let old = st.qp.qpn();
+        let mut done = Vec::new();
+        let ids: Vec<u64> = st.pending.keys().copied().collect();
+        for id in &ids {
+            let p = st.pending.get_mut(id).expect("present");
+            if p.qpn != old {
+                continue;
+            }
+            let last = (p.first_psn + p.npkts - 1) & 0xFF_FFFF;
+            let executed = psn_diff(last, peer_epsn) < 0;
+            if !executed {
+                continue;
+            }
+            match p.op {
+                SendOp::Send { .. } | SendOp::Write { .. } => {
+                    let mut p = st.pending.remove(id).expect("present");
+                    let op = match p.op {
+                        SendOp::Send { .. } => WcOpcode::Send,
+                        _ => WcOpcode::Write,
+                    };
+                    if let Some(r) = p.reply.take() {
+                        done.push((
+                            r,
+                            Ok(WorkCompletion {
+                                wr_id: *id,
+                                qpn: old,
+                                status: WcStatus::Success,
+                                opcode: op,
+                                byte_len: p.op.len(),
+                                data: Bytes::new(),
+                                imm: None,
+                                atomic_orig: None,
+                            }),
+                        ));
+                    }
+                }
+                SendOp::Read { .. } => {} // re-read: idempotent
+                SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } => {
+                    let mut p = st.pending.remove(id).expect("present");
+                    if let Some(r) = p.reply.take() {
+                        done.push((
+                            r,
+                            Err(Error::Indeterminate(
+                                "the atomic ran at the peer but its answer was lost when the \
+                                 queue pair was reset"
+                                    .into(),
+                            )),
+                        ));
+                    }
+                }
+            }
+        }
+        st.qp = qp;
+        st.gen = gen;
+        st.next_psn = sq_psn;
+        st.resetting = false;
+        let mtu = self.path.mtu;
+        let ids: Vec<u64> = st.pending.keys().copied().collect();
+        for id in ids {
+            let mut p = st.pending.remove(&id).expect("present");
+            if let Err(e) = Self::post(st, mtu, id, &mut p) {
+                if let Some(r) = p.reply.take() {
+                    done.push((r, Err(e)));
+                }
+                continue;
+            }
+            st.pending.insert(id, p);
+        }
+        debug!(gen, qpn = st.qp.qpn(), "QP replaced");
+        for (r, v) in done {
+            let _ = r.send(v);
+        }
+    }
+
+    /// Take one send credit (a receive posted at the peer) and `bytes` of its window.
+    async fn take_credit(&self, bytes: u64) -> Result<()> {
+        let mut stalled = false;
+        loop {
+            let notified = self.credit_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_dead.load(Ordering::Acquire) {
+                return Err(self.dead_error());
+            }
+            {
+                let mut c = self.credits.lock();
+                if c.msgs >= 1 && c.bytes >= bytes {
+                    c.msgs -= 1;
+                    c.bytes -= bytes;
+                    return Ok(());
+                }
+            }
+            if !stalled {
+                stalled = true;
+                self.stats.add(|s| &s.credit_stalls, 1);
+            }
+            notified.await;
+        }
+    }
+
+    /// The app consumed a message: re-post its receive, return credits in batches.
+    fn consumed(&self, bytes: u64) {
+        let mut st = self.st.lock();
+        st.buffered = st.buffered.saturating_sub(1);
+        if !st.resetting && !self.is_dead.load(Ordering::Acquire) {
+            let qp = st.qp.clone();
+            let mut next = st.next_recv;
+            if let Err(e) = post_receives(&*qp, &mut next, 1, self.ours.max_message) {
+                debug!(error = %e, "re-posting a receive");
+            }
+            st.next_recv = next;
+        }
+        st.consumed.0 += 1;
+        st.consumed.1 += bytes;
+        let (m, b) = st.consumed;
+        if m >= (self.ours.credits / 4).max(1) || b >= self.ours.window / 4 {
+            st.consumed = (0, 0);
+            let _ = self.ctl.send(Ctl::Credit { msgs: m, bytes: b });
+        }
+    }
+}
+
+async fn wait(
+    rx: oneshot::Receiver<Result<WorkCompletion>>,
+    sh: &Shared,
+) -> Result<WorkCompletion> {
+    match rx.await {
+        Ok(r) => r,
+        Err(_) => Err(sh.dead_error()),
+    }
+}
+
+impl RawConnection for RdmaConnection {
+    fn info(&self) -> ConnectionInfo {
+        self.sh.info.clone()
+    }
+
+    fn stats(&self) -> &Arc<Stats> {
+        &self.sh.stats
+    }
+
+    fn domain(&self) -> &Domain {
+        &self.sh.domain
+    }
+
+    fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            let len = msg.len() as u64;
+            if len > sh.peer_limits.max_message {
+                return Err(Error::ResourceExhausted(format!(
+                    "message of {len} bytes exceeds the peer's limit of {}",
+                    sh.peer_limits.max_message
+                )));
+            }
+            sh.take_credit(len).await?;
+            let rx = sh.submit(SendOp::Send {
+                sg: vec![msg],
+                imm: None,
+            })?;
+            wait(rx, &sh).await.map(|_| ())
+        })
+    }
+
+    fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            let mut rx = sh.incoming.lock().await;
+            match rx.recv().await {
+                Some(inc) => {
+                    let bytes = match &inc {
+                        Incoming::Message(b) => b.len() as u64,
+                        Incoming::WriteImm { .. } => 0,
+                    };
+                    drop(rx);
+                    sh.consumed(bytes);
+                    Ok(inc)
+                }
+                None => Err(sh.dead_error()),
+            }
+        })
+    }
+
+    fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            if src.len > MAX_RDMA_SIZE {
+                return Err(Error::InvalidArgument(format!(
+                    "a read of {} bytes exceeds {MAX_RDMA_SIZE}",
+                    src.len
+                )));
+            }
+            let rx = sh.submit(SendOp::Read { src })?;
+            Ok(wait(rx, &sh).await?.data)
+        })
+    }
+
+    fn write(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        imm: Option<u32>,
+    ) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            if dst.len > MAX_RDMA_SIZE {
+                return Err(Error::InvalidArgument(format!(
+                    "a write of {} bytes exceeds {MAX_RDMA_SIZE}",
+                    dst.len
+                )));
+            }
+            if imm.is_some() {
+                // The immediate consumes a receive at the peer.
+                sh.take_credit(0).await?;
+            }
+            let rx = sh.submit(SendOp::Write {
+                sg: vec![data],
+                dst,
+                imm,
+            })?;
+            wait(rx, &sh).await.map(|_| ())
+        })
+    }
+
+    fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            let op = match op {
+                AtomicOp::CompareAndSwap { expected, new } => SendOp::CompareSwap {
+                    dst,
+                    compare: expected,
+                    swap: new,
+                },
+                AtomicOp::FetchAndAdd { add } => SendOp::FetchAdd { dst, add },
+            };
+            let rx = sh.submit(op)?;
+            Ok(wait(rx, &sh).await?.atomic_orig.unwrap_or(0))
+        })
+    }
+
+    fn close(&self) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            let _ = sh.ctl.send(Ctl::Close);
+            sh.die(Error::Disconnected("connection closed locally".into()));
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_round_trip_and_reject() {
+        let p = Params {
+            version: RDMA_VERSION,
+            selective_repeat: true,
+            qpn: 0x12345,
+            psn: 0xABCDEF,
+            udp_port: 4791,
+            mtu: 4096,
+            gid: "198.18.0.1".parse().unwrap(),
+        };
+        let b = p.encode();
+        assert_eq!(Params::decode(&b).unwrap(), p);
+        let mut bad = b;
+        bad[0] = b'X';
+        assert!(matches!(Params::decode(&bad), Err(Error::Protocol(_))));
+        let mut v2 = b;
+        v2[4] = 2;
+        assert!(matches!(
+            Params::decode(&v2),
+            Err(Error::VersionMismatch { local: 1, peer: 2 })
+        ));
+        let mut mtu = b;
+        mtu[18..20].copy_from_slice(&1500u16.to_le_bytes());
+        assert!(matches!(Params::decode(&mtu), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn control_messages_round_trip() {
+        let all = [
+            Ctl::Close,
+            Ctl::Credit {
+                msgs: 7,
+                bytes: 1 << 40,
+            },
+            Ctl::Classify {
+                id: 9,
+                rkey: 0xdead,
+                addr: u64::MAX,
+                len: 5,
+                need: 4,
+            },
+            Ctl::Classified { id: 9, code: 3 },
+            Ctl::Reset {
+                gen: 1,
+                qpn: 2,
+                psn: 3,
+                epsn: 4,
+            },
+            Ctl::ResetAck {
+                gen: 5,
+                qpn: 6,
+                psn: 7,
+                epsn: 8,
+            },
+            Ctl::NeedReset { gen: 9 },
+        ];
+        for m in all {
+            let mut b = Vec::new();
+            m.encode(&mut b);
+            assert_eq!(usize::from(b[1]), b.len() - 2);
+            assert_eq!(Ctl::decode(b[0], &b[2..]).unwrap(), m);
+            // Truncated bodies and unknown kinds are clear errors.
+            if b.len() > 2 {
+                assert!(Ctl::decode(b[0], &b[2..b.len() - 1]).is_err());
+            }
+        }
+        assert!(Ctl::decode(99, &[]).is_err());
+    }
+
+    #[test]
+    fn psn_arithmetic_wraps() {
+        assert_eq!(psn_diff(0, 0xFF_FFFF), 1);
+        assert_eq!(psn_diff(0xFF_FFFF, 0), -1);
+        assert_eq!(psn_diff(10, 5), 5);
+    }
+}

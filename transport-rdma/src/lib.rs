@@ -1,0 +1,253 @@
+//! # rdmx-transport-rdma
+//!
+//! rdmx over RDMA verbs: every send, write, read and atomic travels on an RC
+//! queue pair; a TCP connection bootstraps it (version, authentication, QPN,
+//! PSN, GID, MTU, credits) and stays as a small control channel.
+//!
+//! - [`verbs`]: the provider trait (PD, MR, CQ with an event fd, RC QP).
+//! - [`soft`]: the userspace RoCEv2 provider over UDP port 4791 — it runs on any
+//!   host, wire-compatible with NICs.
+//!
+//! ```no_run
+//! # async fn demo() -> rdmx_core::Result<()> {
+//! use rdmx_core::{Options, Transport};
+//! let rdma = rdmx_transport_rdma::RdmaTransport::new();
+//! let conn = rdma.connect("127.0.0.1:7000", &Options::default()).await?;
+//! println!("{}", conn.info().provider); // "soft-roce:4791 (QPN ..., MTU 4096, selective repeat)"
+//! # Ok(()) }
+//! ```
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_code)]
+
+mod conn;
+mod fdwait;
+pub mod soft;
+pub mod verbs;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdmx_core::{
+    BoxFuture, Capabilities, Connection, Error, Listener, Options, RawListener, Result, Transport,
+};
+use rdmx_transport_tcp::handshake::{self, Limits};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+pub use conn::{MAX_RDMA_SIZE, RDMA_VERSION};
+pub use soft::{SoftConfig, SoftRoce};
+use verbs::{Provider, QpOptions};
+
+/// Which provider an [`RdmaTransport`] uses.
+#[derive(Clone)]
+enum Choice {
+    /// Decided on first use: a NIC if one is usable, else the soft engine.
+    Auto,
+    /// This one.
+    Fixed(Arc<dyn Provider>),
+}
+
+/// The rdmx transport over RDMA verbs (URL scheme `rdma://`).
+#[derive(Clone)]
+pub struct RdmaTransport {
+    choice: Choice,
+    qp: QpOptions,
+}
+
+impl std::fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = match &self.choice {
+            Choice::Auto => "auto".to_string(),
+            Choice::Fixed(p) => p.device_name(),
+        };
+        f.debug_struct("RdmaTransport")
+            .field("provider", &p)
+            .finish()
+    }
+}
+
+impl Default for RdmaTransport {
+    fn default() -> Self {
+        RdmaTransport::new()
+    }
+}
+
+impl RdmaTransport {
+    /// RDMA on the best provider available: the process-wide soft RoCE device
+    /// (UDP 4791) unless a NIC provider is built in and usable.
+    pub fn new() -> RdmaTransport {
+        RdmaTransport {
+            choice: Choice::Auto,
+            qp: QpOptions::default(),
+        }
+    }
+
+    /// RDMA on a given provider (e.g. a [`SoftRoce`] on another port).
+    pub fn with_provider(p: Arc<dyn Provider>) -> RdmaTransport {
+        RdmaTransport {
+            choice: Choice::Fixed(p),
+            qp: QpOptions::default(),
+        }
+    }
+
+    /// Queue pair timers and limits for new connections.
+    pub fn qp_options(mut self, qp: QpOptions) -> RdmaTransport {
+        self.qp = qp;
+        self
+    }
+
+    /// The provider new connections use.
+    pub fn provider(&self) -> Result<Arc<dyn Provider>> {
+        match &self.choice {
+            Choice::Fixed(p) => Ok(p.clone()),
+            Choice::Auto => Ok(SoftRoce::global()? as Arc<dyn Provider>),
+        }
+    }
+}
+
+async fn establish(
+    stream: TcpStream,
+    opts: Options,
+    provider: Arc<dyn Provider>,
+    qp: QpOptions,
+    server: bool,
+) -> Result<Connection> {
+    let _ = stream.set_nodelay(true);
+    let ours = Limits::from_options(&opts)?;
+    let mut stream = stream;
+    let secret = opts.secret.as_deref();
+    let hs = async {
+        if server {
+            handshake::server(&mut stream, ours, secret).await
+        } else {
+            handshake::client(&mut stream, ours, secret).await
+        }
+    };
+    let agreed = match tokio::time::timeout(opts.connect_timeout, hs).await {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            rdmx_core::stats::global().add(|s| &s.handshake_failures, 1);
+            tracing::warn!(error = %e, server, "handshake failed");
+            return Err(e);
+        }
+        Err(_) => return Err(Error::TimedOut(opts.connect_timeout)),
+    };
+    let raw = conn::start(conn::Setup {
+        stream,
+        domain: opts.domain.clone(),
+        provider,
+        qp_opts: qp,
+        ours,
+        agreed,
+        max_inflight: opts.max_inflight,
+        connect_timeout: opts.connect_timeout,
+        server,
+    })
+    .await?;
+    Ok(Connection::new(Arc::new(raw), opts.op_timeout))
+}
+
+impl Transport for RdmaTransport {
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let o = Options::default();
+        conn::capabilities(o.max_message, o.max_inflight, o.recv_credits)
+    }
+
+    fn available(&self) -> std::result::Result<(), String> {
+        self.provider().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn connect(&self, addr: &str, opts: &Options) -> BoxFuture<'static, Result<Connection>> {
+        let addr = addr.to_string();
+        let opts = opts.clone();
+        let this = self.clone();
+        Box::pin(async move {
+            let provider = this.provider()?;
+            let stream = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&addr))
+                .await
+                .map_err(|_| Error::TimedOut(opts.connect_timeout))?
+                .map_err(|e| Error::Connect(format!("{addr}: {e}")))?;
+            establish(stream, opts, provider, this.qp, false).await
+        })
+    }
+
+    fn listen(&self, addr: &str, opts: &Options) -> BoxFuture<'static, Result<Listener>> {
+        let addr = addr.to_string();
+        let opts = opts.clone();
+        let this = self.clone();
+        Box::pin(async move {
+            let provider = this.provider()?;
+            Limits::from_options(&opts)?;
+            let l = TcpListener::bind(&addr)
+                .await
+                .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
+            let local = l
+                .local_addr()
+                .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
+            let (tx, rx) = mpsc::channel(64);
+            let task = tokio::spawn(accept_loop(l, opts, provider.clone(), this.qp, tx));
+            tracing::info!(%local, provider = %provider.device_name(), "rdma listener ready");
+            Ok(Listener::new(Box::new(RdmaListener { rx, local, task })))
+        })
+    }
+}
+
+async fn accept_loop(
+    l: TcpListener,
+    opts: Options,
+    provider: Arc<dyn Provider>,
+    qp: QpOptions,
+    tx: mpsc::Sender<Result<Connection>>,
+) {
+    loop {
+        let stream = match l.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let tx = tx.clone();
+        let opts = opts.clone();
+        let provider = provider.clone();
+        tokio::spawn(async move {
+            let res = establish(stream, opts, provider, qp, true).await;
+            let _ = tx.send(res).await;
+        });
+    }
+}
+
+struct RdmaListener {
+    rx: mpsc::Receiver<Result<Connection>>,
+    local: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Drop for RdmaListener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawListener for RdmaListener {
+    fn accept(&mut self) -> BoxFuture<'_, Result<Connection>> {
+        Box::pin(async move {
+            self.rx
+                .recv()
+                .await
+                .unwrap_or_else(|| Err(Error::Disconnected("listener closed".into())))
+        })
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+}

@@ -1,0 +1,1130 @@
+//! The soft RoCEv2 device: the sans-IO engine (`rdmx-roce-proto`) driven over
+//! UDP by a dedicated thread, the way a NIC runs beside the host.
+//!
+//! ```text
+//!  app threads ── post_send/post_recv ──> SoftQp (engine under a mutex) ──> per-QP UDP socket
+//!                                             ^                              (own source port)
+//!  device thread: rx loop on UDP :4791 ───────┘ handle_packet, ACKs, completions ──> SoftCq
+//!                 timer loop ───────────────── handle_timeout (ACK timeout, RNR, pacing)
+//! ```
+//!
+//! Packets are RoCEv2 as NICs send them (BTH … ICRC in UDP to port 4791,
+//! rocev2-reference §1); data packets carry ECT(0) and received CE marks feed
+//! DCQCN. Sends are batched with UDP GSO and receives with GRO and recvmmsg
+//! where the kernel has them.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSliceMut};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+use quinn_udp::{EcnCodepoint, RecvMeta, Transmit, UdpSocketState};
+use rdmx_core::Stats;
+use rdmx_core::{Access, AtomicOp, Domain, Error, MemoryRegion, Result};
+use rdmx_roce_proto::dcqcn::DcqcnConfig;
+use rdmx_roce_proto::icrc::{self, Ipv4IdSolver};
+use rdmx_roce_proto::memory::{Atomic, MemError, Memory, Need};
+use rdmx_roce_proto::pcap::CaptureWriter;
+use rdmx_roce_proto::{
+    Completion, FramePath, Packet, Qp, QpConfig, QpStats, RoceFrame, WorkRequest,
+};
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+use tokio::sync::Notify;
+use tracing::{debug, warn};
+
+use super::cq::SoftCq;
+use crate::verbs::{
+    CompletionQueue, PortInfo, ProtectionDomain, Provider, ProviderKind, QpCounters, QpOptions,
+    QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// The standard RoCEv2 UDP port (IANA; rocev2-reference §1).
+pub const ROCEV2_PORT: u16 = 4791;
+
+/// How a soft device is set up.
+#[derive(Clone, Debug)]
+pub struct SoftConfig {
+    /// Address to receive on (`::` = every address, IPv4 included).
+    pub bind: IpAddr,
+    /// UDP port to receive on; 0 = any free port (the peer learns it at bootstrap).
+    pub port: u16,
+    /// If `port` is taken (another process runs a soft device), use a free port
+    /// instead of failing. Peers learn the port at bootstrap; real NICs need 4791.
+    pub port_fallback: bool,
+    /// Path MTU offered (256..=4096).
+    pub mtu: u32,
+    /// Mark data packets ECT(0) so switches can set CE instead of dropping.
+    pub ecn: bool,
+    /// DCQCN for the sender (`None`: no rate limiting; CNPs are still sent).
+    pub dcqcn: Option<DcqcnConfig>,
+    /// Offer selective repeat to rdmx peers (NIC peers always get go-back-N).
+    pub selective_repeat: bool,
+    /// Socket receive buffer to ask for (the kernel caps it at `net.core.rmem_max`).
+    pub recv_buffer: usize,
+}
+
+impl Default for SoftConfig {
+    fn default() -> Self {
+        SoftConfig {
+            bind: IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            port: ROCEV2_PORT,
+            port_fallback: true,
+            mtu: 4096,
+            ecn: true,
+            dcqcn: Some(DcqcnConfig::default()),
+            selective_repeat: true,
+            recv_buffer: 16 << 20,
+        }
+    }
+}
+
+/// Device-wide packet counters.
+#[derive(Debug, Default)]
+struct Counters {
+    rx_packets: AtomicU64,
+    rx_bytes: AtomicU64,
+    tx_packets: AtomicU64,
+    tx_bytes: AtomicU64,
+    icrc_errors: AtomicU64,
+    malformed: AtomicU64,
+    unknown_qp: AtomicU64,
+    wrong_source: AtomicU64,
+    ce_marked: AtomicU64,
+    tx_blocked: AtomicU64,
+}
+
+/// A snapshot of a soft device's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// RoCEv2 packets received (after GRO splitting).
+    pub rx_packets: u64,
+    /// UDP payload bytes received.
+    pub rx_bytes: u64,
+    /// Packets sent.
+    pub tx_packets: u64,
+    /// UDP payload bytes sent.
+    pub tx_bytes: u64,
+    /// Packets dropped because their ICRC did not verify (never acted on).
+    pub icrc_errors: u64,
+    /// Packets dropped because they did not decode.
+    pub malformed: u64,
+    /// Packets for a QP number that does not exist.
+    pub unknown_qp: u64,
+    /// Packets for a QP from an address that is not its peer.
+    pub wrong_source: u64,
+    /// Packets that arrived with ECN Congestion Experienced.
+    pub ce_marked: u64,
+    /// Times a send found the socket buffer full (the rest waited for space).
+    pub tx_blocked: u64,
+}
+
+struct Capture {
+    writer: CaptureWriter<std::io::BufWriter<std::fs::File>>,
+    frames: u64,
+}
+
+pub(crate) struct Device {
+    cfg: SoftConfig,
+    handle: tokio::runtime::Handle,
+    rx: UdpSocket,
+    rx_state: UdpSocketState,
+    port: u16,
+    qps: RwLock<HashMap<u32, Arc<SoftQp>>>,
+    next_qpn: AtomicU32,
+    epoch: Instant,
+    timer: Notify,
+    timer_target: AtomicU64,
+    counters: Counters,
+    capture: Mutex<Option<Capture>>,
+    shutdown: Arc<Notify>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("port", &self.port).finish()
+    }
+}
+
+impl Device {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    fn record(&self, from: SocketAddr, to: SocketAddr, pkt: &Packet, ecn: u8) {
+        let mut cap = self.capture.lock();
+        let Some(c) = cap.as_mut() else { return };
+        let path = FramePath {
+            src_mac: [2, 0, 0, 0, 0, 1],
+            dst_mac: [2, 0, 0, 0, 0, 2],
+            src: from.ip(),
+            dst: to.ip(),
+            sport: from.port(),
+            ecn,
+            flow_label: 0,
+        };
+        let mut f = RoceFrame::new(&path, pkt.clone());
+        if to.port() != ROCEV2_PORT {
+            f.udp.dport = to.port();
+            f.finalize();
+        }
+        if c.writer.write(self.epoch.elapsed(), &f.to_bytes()).is_ok() {
+            c.frames += 1;
+        }
+    }
+}
+
+/// The userspace RoCEv2 provider: one UDP port, any number of RC QPs.
+#[derive(Debug)]
+pub struct SoftRoce {
+    dev: Arc<Device>,
+}
+
+impl Drop for SoftRoce {
+    fn drop(&mut self) {
+        self.dev.shutdown.notify_one();
+    }
+}
+
+fn bind_rx(cfg: &SoftConfig) -> io::Result<std::net::UdpSocket> {
+    let try_bind = |port: u16| -> io::Result<std::net::UdpSocket> {
+        let addr = SocketAddr::new(cfg.bind, port);
+        let s = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )?;
+        if cfg.bind.is_ipv6() {
+            s.set_only_v6(false)?;
+        }
+        s.bind(&addr.into())?;
+        Ok(s.into())
+    };
+    match try_bind(cfg.port) {
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse && cfg.port_fallback && cfg.port != 0 => {
+            warn!(
+                port = cfg.port,
+                "soft RoCE: UDP port in use (another soft device on this host?); using a free port, \
+                 which rdmx peers learn at connect (real NICs need {ROCEV2_PORT})"
+            );
+            try_bind(0)
+        }
+        r => r,
+    }
+}
+
+impl SoftRoce {
+    /// Start a soft device: binds its UDP port and starts its thread.
+    pub fn new(cfg: SoftConfig) -> Result<SoftRoce> {
+        if !matches!(cfg.mtu, 256 | 512 | 1024 | 2048 | 4096) {
+            return Err(Error::InvalidArgument(format!(
+                "soft RoCE MTU {} is not one of 256, 512, 1024, 2048, 4096",
+                cfg.mtu
+            )));
+        }
+        let std_rx = bind_rx(&cfg).map_err(|e| {
+            Error::RdmaUnavailable(format!("soft RoCE cannot bind UDP {}: {e}", cfg.port))
+        })?;
+        std_rx
+            .set_nonblocking(true)
+            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
+        let port = std_rx
+            .local_addr()
+            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?
+            .port();
+        let shutdown = Arc::new(Notify::new());
+        let (htx, hrx) = std::sync::mpsc::channel();
+        let stop = shutdown.clone();
+        std::thread::Builder::new()
+            .name(format!("rdmx-soft-roce:{port}"))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = htx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = htx.send(Ok(rt.handle().clone()));
+                rt.block_on(stop.notified());
+            })
+            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE thread: {e}")))?;
+        let handle = hrx
+            .recv()
+            .map_err(|_| Error::RdmaUnavailable("soft RoCE thread died".into()))?
+            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE runtime: {e}")))?;
+        let (rx, rx_state) = {
+            let _g = handle.enter();
+            let rx_state = UdpSocketState::new((&std_rx).into())
+                .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
+            let _ = rx_state.set_recv_buffer_size((&std_rx).into(), cfg.recv_buffer);
+            let _ = rx_state.set_send_buffer_size((&std_rx).into(), 4 << 20);
+            let rx = UdpSocket::from_std(std_rx)
+                .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
+            (rx, rx_state)
+        };
+        let first_qpn = rand::random_range(0x100..0x80_0000u32);
+        let dev = Arc::new(Device {
+            cfg,
+            handle: handle.clone(),
+            rx,
+            rx_state,
+            port,
+            qps: RwLock::new(HashMap::new()),
+            next_qpn: AtomicU32::new(first_qpn),
+            epoch: Instant::now(),
+            timer: Notify::new(),
+            timer_target: AtomicU64::new(u64::MAX),
+            counters: Counters::default(),
+            capture: Mutex::new(None),
+            shutdown,
+        });
+        handle.spawn(rx_loop(dev.clone()));
+        handle.spawn(timer_loop(dev.clone()));
+        debug!(port, "soft RoCE device started");
+        Ok(SoftRoce { dev })
+    }
+
+    /// The process-wide soft device on the default configuration (UDP 4791,
+    /// or a free port if another process holds it), started on first use.
+    pub fn global() -> Result<Arc<SoftRoce>> {
+        static GLOBAL: std::sync::OnceLock<std::result::Result<Arc<SoftRoce>, String>> =
+            std::sync::OnceLock::new();
+        GLOBAL
+            .get_or_init(|| {
+                SoftRoce::new(SoftConfig::default())
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(Error::RdmaUnavailable)
+    }
+
+    /// The UDP port this device receives on.
+    pub fn port(&self) -> u16 {
+        self.dev.port
+    }
+
+    /// Device counters.
+    pub fn stats(&self) -> DeviceStats {
+        let c = &self.dev.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DeviceStats {
+            rx_packets: l(&c.rx_packets),
+            rx_bytes: l(&c.rx_bytes),
+            tx_packets: l(&c.tx_packets),
+            tx_bytes: l(&c.tx_bytes),
+            icrc_errors: l(&c.icrc_errors),
+            malformed: l(&c.malformed),
+            unknown_qp: l(&c.unknown_qp),
+            wrong_source: l(&c.wrong_source),
+            ce_marked: l(&c.ce_marked),
+            tx_blocked: l(&c.tx_blocked),
+        }
+    }
+
+    /// Write every packet this device sends and accepts from now on to a pcap
+    /// file (Ethernet/IP/UDP headers rebuilt around the exact RoCEv2 bytes;
+    /// decode it with `tshark` or check it with `rdmx pcap check`).
+    pub fn start_capture(&self, path: &std::path::Path) -> Result<()> {
+        let f = std::fs::File::create(path)
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
+        let writer = CaptureWriter::new(std::io::BufWriter::new(f))
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
+        *self.dev.capture.lock() = Some(Capture { writer, frames: 0 });
+        Ok(())
+    }
+
+    /// Stop capturing; returns the number of frames written.
+    pub fn stop_capture(&self) -> u64 {
+        match self.dev.capture.lock().take() {
+            Some(c) => {
+                let frames = c.frames;
+                drop(c.writer);
+                frames
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Provider for SoftRoce {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Soft
+    }
+
+    fn device_name(&self) -> String {
+        format!("soft-roce:{}", self.dev.port)
+    }
+
+    fn port_for(&self, local_ip: IpAddr) -> Result<PortInfo> {
+        Ok(PortInfo {
+            gid: local_ip.to_canonical(),
+            udp_port: self.dev.port,
+            mtu: self.dev.cfg.mtu,
+        })
+    }
+
+    fn selective_repeat(&self) -> bool {
+        self.dev.cfg.selective_repeat
+    }
+
+    fn alloc_pd(&self, domain: &Domain) -> Result<Arc<dyn ProtectionDomain>> {
+        Ok(Arc::new(SoftPd {
+            dev: self.dev.clone(),
+            domain: domain.clone(),
+        }))
+    }
+
+    fn create_cq(&self, _depth: usize) -> Result<Arc<dyn CompletionQueue>> {
+        Ok(Arc::new(SoftCq::new()?))
+    }
+}
+
+struct SoftPd {
+    dev: Arc<Device>,
+    domain: Domain,
+}
+
+impl ProtectionDomain for SoftPd {
+    fn register(&self, mr: &MemoryRegion) -> Result<u32> {
+        // The engine reaches regions through the domain: its keys are the R_Keys.
+        Ok(mr.rkey())
+    }
+
+    fn create_qp(
+        &self,
+        cq: &Arc<dyn CompletionQueue>,
+        opts: QpOptions,
+    ) -> Result<Arc<dyn QueuePair>> {
+        // The soft QP pushes completions itself, so it needs the concrete CQ.
+        let cq: Arc<SoftCq> = soft_cq(cq)?;
+        let dev = &self.dev;
+        let qpn = loop {
+            let n = dev.next_qpn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+            if n > 1 && !dev.qps.read().contains_key(&n) {
+                break n;
+            }
+        };
+        let cfg = QpConfig {
+            pmtu: dev.cfg.mtu,
+            timeout: opts.timeout,
+            retry_cnt: opts.retry_cnt,
+            rnr_retry: opts.rnr_retry,
+            max_rd_atomic: opts.max_rd_atomic,
+            dcqcn: dev.cfg.dcqcn,
+            ..QpConfig::default()
+        };
+        let mut engine = Qp::new(cfg, qpn);
+        engine
+            .to_init()
+            .map_err(|e| Error::Protocol(format!("soft QP: {e}")))?;
+        let qp = Arc::new(SoftQp {
+            dev: dev.clone(),
+            qpn,
+            cq,
+            domain: self.domain.clone(),
+            inner: Mutex::new(Inner {
+                qp: engine,
+                peer: None,
+                tx: None,
+                backlog: VecDeque::new(),
+                flushing: false,
+                out: Vec::new(),
+                segs: Vec::new(),
+            }),
+            deadline: AtomicU64::new(u64::MAX),
+            sink: Mutex::new(None),
+        });
+        dev.qps.write().insert(qpn, qp.clone());
+        Ok(Arc::new(SoftQpHandle(qp)))
+    }
+}
+
+/// Recover the concrete soft CQ from the trait object.
+fn soft_cq(cq: &Arc<dyn CompletionQueue>) -> Result<Arc<SoftCq>> {
+    cq.clone()
+        .as_any()
+        .downcast::<SoftCq>()
+        .map_err(|_| Error::InvalidArgument("a soft QP needs a soft CQ".into()))
+}
+
+struct Tx {
+    sock: UdpSocket,
+    state: UdpSocketState,
+    local: SocketAddr,
+}
+
+struct Inner {
+    qp: Qp,
+    peer: Option<QpPeer>,
+    tx: Option<Arc<Tx>>,
+    /// Datagrams that found the socket buffer full, with their GSO segment size.
+    backlog: VecDeque<(Vec<u8>, usize)>,
+    flushing: bool,
+    out: Vec<u8>,
+    segs: Vec<usize>,
+}
+
+pub(crate) struct SoftQp {
+    dev: Arc<Device>,
+    qpn: u32,
+    cq: Arc<SoftCq>,
+    domain: Domain,
+    inner: Mutex<Inner>,
+    /// When the engine next needs `handle_timeout` (device clock ns; MAX = never).
+    deadline: AtomicU64,
+    /// Where protocol events are counted, and what was counted so far.
+    sink: Mutex<Option<(Arc<Stats>, QpStats)>>,
+}
+
+/// Responder access to the domain's regions (the engine's memory trait).
+struct DomainMemory<'a>(&'a Domain);
+
+fn mem_err(e: rdmx_core::AccessError) -> MemError {
+    use rdmx_core::AccessError as A;
+    match e {
+        A::UnknownKey => MemError::UnknownKey,
+        A::OutOfBounds => MemError::OutOfBounds,
+        A::Permission => MemError::Permission,
+        A::Revoked => MemError::Revoked,
+        A::Misaligned => MemError::Misaligned,
+    }
+}
+
+impl Memory for DomainMemory<'_> {
+    fn check(&self, rkey: u32, va: u64, len: u64, need: Need) -> Result<(), MemError> {
+        let access = match need {
+            Need::Read => Access::REMOTE_READ,
+            Need::Write => Access::REMOTE_WRITE,
+            Need::Atomic => Access::REMOTE_ATOMIC,
+        };
+        self.0.check_access(rkey, va, len, access).map_err(mem_err)
+    }
+
+    fn write(&mut self, rkey: u32, va: u64, data: &[u8]) -> Result<(), MemError> {
+        self.0
+            .remote_write(rkey, va, data.len() as u64, 0, data)
+            .map_err(mem_err)
+    }
+
+    fn read(&self, rkey: u32, va: u64, len: u64) -> Result<Bytes, MemError> {
+        self.0.remote_read(rkey, va, len, 0, len).map_err(mem_err)
+    }
+
+    fn atomic(&mut self, rkey: u32, va: u64, op: Atomic) -> Result<u64, MemError> {
+        let op = match op {
+            Atomic::CompareSwap { compare, swap } => AtomicOp::CompareAndSwap {
+                expected: compare,
+                new: swap,
+            },
+            Atomic::FetchAdd { add } => AtomicOp::FetchAndAdd { add },
+        };
+        self.0.remote_atomic(rkey, va, op).map_err(mem_err)
+    }
+}
+
+fn work_completion(qpn: u32, c: Completion) -> WorkCompletion {
+    use rdmx_roce_proto::{WcOpcode as O, WcStatus as S};
+    WorkCompletion {
+        wr_id: c.wr_id,
+        qpn,
+        status: match c.status {
+            S::Success => WcStatus::Success,
+            S::LocalLengthError => WcStatus::LocalLength,
+            S::Flushed => WcStatus::Flushed,
+            S::RemoteInvalidRequest => WcStatus::RemoteInvalidRequest,
+            S::RemoteAccessError => WcStatus::RemoteAccess,
+            S::RemoteOperationalError => WcStatus::RemoteOperational,
+            S::RetryExceeded => WcStatus::RetryExceeded,
+            S::RnrRetryExceeded => WcStatus::RnrRetryExceeded,
+        },
+        opcode: match c.opcode {
+            O::Send => WcOpcode::Send,
+            O::Write => WcOpcode::Write,
+            O::Read => WcOpcode::Read,
+            O::CompareSwap => WcOpcode::CompareSwap,
+            O::FetchAdd => WcOpcode::FetchAdd,
+            O::Recv => WcOpcode::Recv,
+            O::RecvWriteImm => WcOpcode::RecvWriteImm,
+        },
+        byte_len: c.byte_len,
+        data: c.data,
+        imm: c.imm,
+        atomic_orig: c.atomic_orig,
+    }
+}
+
+/// The IP and UDP headers a packet travels with, as the ICRC sees them
+/// (rocev2-reference §9). IPv4: Identification 0 and DF; a UDP socket cannot
+/// choose the Identification, so receivers recover it ([`Ipv4IdSolver`]).
+fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (Vec<u8>, [u8; 8]) {
+    let ip = match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut h = vec![0u8; 20];
+            h[0] = 0x45;
+            h[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+            h[6] = 0x40;
+            h[8] = 64;
+            h[9] = 17;
+            h[12..16].copy_from_slice(&s.octets());
+            h[16..20].copy_from_slice(&d.octets());
+            h
+        }
+        (s, d) => {
+            let v6 = |a: IpAddr| match a {
+                IpAddr::V6(a) => a,
+                IpAddr::V4(a) => a.to_ipv6_mapped(),
+            };
+            let mut h = vec![0u8; 40];
+            h[0] = 0x60;
+            h[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            h[6] = 17;
+            h[7] = 64;
+            h[8..24].copy_from_slice(&v6(s).octets());
+            h[24..40].copy_from_slice(&v6(d).octets());
+            h
+        }
+    };
+    let mut udp = [0u8; 8];
+    udp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    (ip, udp)
+}
+
+/// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`.
+fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, out: &mut Vec<u8>) {
+    let start = out.len();
+    pkt.encode(out);
+    let t_len = out.len() - start;
+    let (ip, udp) = headers(src, dst, 8 + t_len + 4);
+    let crc = icrc::compute(&ip, &udp, &out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Send one transmit. Only a full socket buffer is an error: other send errors
+/// (no route, peer port unreachable) lose the packet as a link would, and RC
+/// recovery retransmits it or reports the peer unreachable.
+fn try_send(tx: &Tx, t: &Transmit<'_>) -> io::Result<()> {
+    match tx.sock.try_io(Interest::WRITABLE, || {
+        tx.state.try_send((&tx.sock).into(), t)
+    }) {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(e),
+        Err(e) => {
+            debug!(dst = %t.destination, "soft RoCE send: {e}");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
+impl SoftQp {
+    fn update_deadline(&self, inner: &Inner) {
+        let d = inner.qp.poll_timeout().unwrap_or(u64::MAX);
+        self.deadline.store(d, Ordering::Release);
+        if d < self.dev.timer_target.load(Ordering::Acquire) {
+            self.dev.timer.notify_one();
+        }
+    }
+
+    /// Move the engine forward: send what it has (in order, under the lock),
+    /// hand completions to the CQ, re-arm the timer.
+    fn pump(self: &Arc<Self>) {
+        let mut wcs = Vec::new();
+        {
+            let mut g = self.inner.lock();
+            let inner = &mut *g;
+            while let Some(c) = inner.qp.poll_completion() {
+                wcs.push(work_completion(self.qpn, c));
+            }
+            if inner.backlog.is_empty() {
+                self.transmit(inner);
+            }
+            self.update_deadline(inner);
+            self.count(inner.qp.stats());
+        }
+        if !wcs.is_empty() {
+            self.cq.push(wcs);
+        }
+    }
+
+    fn transmit(self: &Arc<Self>, inner: &mut Inner) {
+        let (Some(tx), Some(peer)) = (inner.tx.clone(), inner.peer) else {
+            // Not connected: drop anything the engine queued (e.g. flush-time ACKs).
+            while inner.qp.poll_transmit(self.dev.now()).is_some() {}
+            return;
+        };
+        let now = self.dev.now();
+        let max_segs = tx.state.max_gso_segments().clamp(1, 64);
+        inner.out.clear();
+        inner.segs.clear();
+        loop {
+            let pkt = inner.qp.poll_transmit(now);
+            if let Some(p) = &pkt {
+                let start = inner.out.len();
+                encode(p, tx.local, peer.addr, &mut inner.out);
+                inner.segs.push(inner.out.len() - start);
+                if self.dev.capture.lock().is_some() {
+                    let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
+                    self.dev.record(tx.local, peer.addr, p, ecn);
+                }
+            }
+            let full = inner.segs.len() >= max_segs || inner.out.len() >= 60_000;
+            if (pkt.is_none() || full) && !inner.segs.is_empty() {
+                if !self.send_batch(&tx, peer.addr, inner) {
+                    return;
+                }
+                inner.out.clear();
+                inner.segs.clear();
+            }
+            if pkt.is_none() {
+                return;
+            }
+        }
+    }
+
+    /// Send `inner.out` (datagrams of sizes `inner.segs`) with GSO where sizes
+    /// allow. Returns false if the socket was full (the rest is in the backlog).
+    fn send_batch(self: &Arc<Self>, tx: &Arc<Tx>, dst: SocketAddr, inner: &mut Inner) -> bool {
+        let ecn = self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0);
+        let mut off = 0;
+        let mut i = 0;
+        let segs = std::mem::take(&mut inner.segs);
+        while i < segs.len() {
+            // A GSO run: equal sizes, the last one may be shorter.
+            let size = segs[i];
+            let mut j = i + 1;
+            while j < segs.len() && segs[j] == size {
+                j += 1;
+            }
+            if j < segs.len() && segs[j] < size {
+                j += 1;
+            }
+            let len: usize = segs[i..j].iter().sum();
+            let contents = &inner.out[off..off + len];
+            let t = Transmit {
+                destination: dst,
+                ecn,
+                contents,
+                segment_size: (j - i > 1).then_some(size),
+                src_ip: None,
+            };
+            match try_send(tx, &t) {
+                Ok(()) => {
+                    let c = &self.dev.counters;
+                    c.tx_packets.fetch_add((j - i) as u64, Ordering::Relaxed);
+                    c.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    // Socket buffer full: keep the rest, in order, for when it drains.
+                    self.dev.counters.tx_blocked.fetch_add(1, Ordering::Relaxed);
+                    let mut k = i;
+                    let mut o = off;
+                    while k < segs.len() {
+                        inner
+                            .backlog
+                            .push_back((inner.out[o..o + segs[k]].to_vec(), segs[k]));
+                        o += segs[k];
+                        k += 1;
+                    }
+                    inner.segs = segs;
+                    self.spawn_flusher(inner);
+                    return false;
+                }
+            }
+            off += len;
+            i = j;
+        }
+        inner.segs = segs;
+        true
+    }
+
+    fn spawn_flusher(self: &Arc<Self>, inner: &mut Inner) {
+        if inner.flushing {
+            return;
+        }
+        inner.flushing = true;
+        let qp = Arc::downgrade(self);
+        self.dev.handle.spawn(async move {
+            loop {
+                let Some(qp) = qp.upgrade() else { return };
+                let Some(tx) = qp.inner.lock().tx.clone() else {
+                    return;
+                };
+                if tx.sock.writable().await.is_err() {
+                    return;
+                }
+                let mut g = qp.inner.lock();
+                let inner = &mut *g;
+                let dst = match inner.peer {
+                    Some(p) => p.addr,
+                    None => return,
+                };
+                let ecn = qp.dev.cfg.ecn.then_some(EcnCodepoint::Ect0);
+                while let Some((d, _)) = inner.backlog.front() {
+                    let t = Transmit {
+                        destination: dst,
+                        ecn,
+                        contents: d,
+                        segment_size: None,
+                        src_ip: None,
+                    };
+                    match try_send(&tx, &t) {
+                        Ok(()) => {
+                            let c = &qp.dev.counters;
+                            c.tx_packets.fetch_add(1, Ordering::Relaxed);
+                            c.tx_bytes.fetch_add(d.len() as u64, Ordering::Relaxed);
+                            inner.backlog.pop_front();
+                        }
+                        Err(_) => break,
+                    }
+                }
+                if inner.backlog.is_empty() {
+                    inner.flushing = false;
+                    qp.transmit(inner);
+                    qp.update_deadline(inner);
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Add what happened since the last call to the attached rdmx counters.
+    fn count(&self, now: QpStats) {
+        let mut sink = self.sink.lock();
+        let Some((stats, last)) = sink.as_mut() else {
+            return;
+        };
+        if now == *last {
+            return;
+        }
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        stats.add(|s| &s.retransmits, d(now.retransmits, last.retransmits));
+        stats.add(|s| &s.naks, d(now.naks_received, last.naks_received));
+        stats.add(
+            |s| &s.rnr_naks,
+            d(now.rnr_naks_received, last.rnr_naks_received),
+        );
+        stats.add(|s| &s.cnps, d(now.cnps_received, last.cnps_received));
+        stats.add(|s| &s.remote_ops_served, d(now.remote_ops, last.remote_ops));
+        stats.add(
+            |s| &s.remote_access_denied,
+            d(now.remote_denied, last.remote_denied),
+        );
+        *last = now;
+    }
+
+    fn on_timer(self: &Arc<Self>, now: u64) {
+        self.inner.lock().qp.handle_timeout(now);
+        self.pump();
+    }
+
+    /// Feed one verified packet to the engine (the caller pumps afterwards).
+    fn receive(&self, now: u64, from: SocketAddr, pkt: &Packet, ce: bool) {
+        let mut g = self.inner.lock();
+        match g.peer {
+            Some(p) if p.addr.ip() == from.ip() => {}
+            _ => {
+                self.dev
+                    .counters
+                    .wrong_source
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        g.qp.handle_packet(now, pkt, ce, &mut DomainMemory(&self.domain));
+    }
+}
+
+/// The handle users hold; dropping it destroys the QP.
+struct SoftQpHandle(Arc<SoftQp>);
+
+impl Drop for SoftQpHandle {
+    fn drop(&mut self) {
+        let qp = &self.0;
+        qp.inner.lock().qp.enter_error();
+        qp.pump();
+        qp.dev.qps.write().remove(&qp.qpn);
+    }
+}
+
+fn op_to_wr(op: SendOp) -> WorkRequest {
+    let join = |sg: Vec<Bytes>| -> Bytes {
+        match sg.len() {
+            0 => Bytes::new(),
+            1 => sg.into_iter().next().expect("one"),
+            _ => {
+                let mut v = Vec::with_capacity(sg.iter().map(|b| b.len()).sum());
+                for b in &sg {
+                    v.extend_from_slice(b);
+                }
+                v.into()
+            }
+        }
+    };
+    match op {
+        SendOp::Send { sg, imm } => WorkRequest::Send {
+            data: join(sg),
+            imm,
+            invalidate: None,
+        },
+        SendOp::Write { sg, dst, imm } => WorkRequest::Write {
+            data: join(sg),
+            va: dst.addr,
+            rkey: dst.rkey,
+            imm,
+        },
+        SendOp::Read { src } => WorkRequest::Read {
+            va: src.addr,
+            rkey: src.rkey,
+            len: src.len.min(u64::from(u32::MAX)) as u32,
+        },
+        SendOp::CompareSwap { dst, compare, swap } => WorkRequest::Atomic {
+            va: dst.addr,
+            rkey: dst.rkey,
+            op: Atomic::CompareSwap { compare, swap },
+        },
+        SendOp::FetchAdd { dst, add } => WorkRequest::Atomic {
+            va: dst.addr,
+            rkey: dst.rkey,
+            op: Atomic::FetchAdd { add },
+        },
+    }
+}
+
+fn qp_err(e: rdmx_roce_proto::QpError) -> Error {
+    match e {
+        rdmx_roce_proto::QpError::TooLarge => Error::InvalidArgument(e.to_string()),
+        rdmx_roce_proto::QpError::BadMtu(_) => Error::InvalidArgument(e.to_string()),
+        rdmx_roce_proto::QpError::State(_) => {
+            Error::Disconnected(format!("queue pair not usable: {e}"))
+        }
+    }
+}
+
+impl QueuePair for SoftQpHandle {
+    fn qpn(&self) -> u32 {
+        self.0.qpn
+    }
+
+    fn connect(&self, peer: QpPeer, sq_psn: u32) -> Result<()> {
+        let qp = &self.0;
+        let local = SocketAddr::new(peer.local, 0);
+        let std_tx = std::net::UdpSocket::bind(local)
+            .and_then(|s| s.set_nonblocking(true).map(|()| s))
+            .map_err(|e| Error::Connect(format!("soft RoCE QP socket on {local}: {e}")))?;
+        let tx = {
+            let _g = qp.dev.handle.enter();
+            let state = UdpSocketState::new((&std_tx).into())
+                .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
+            let _ = state.set_send_buffer_size((&std_tx).into(), 4 << 20);
+            let local = std_tx
+                .local_addr()
+                .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
+            let sock = UdpSocket::from_std(std_tx)
+                .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
+            Tx { sock, state, local }
+        };
+        let mut g = qp.inner.lock();
+        g.qp.set_pmtu(peer.mtu).map_err(qp_err)?;
+        g.qp.set_selective_repeat(peer.selective_repeat);
+        g.qp.to_rtr(peer.qpn, peer.psn).map_err(qp_err)?;
+        g.qp.to_rts(sq_psn).map_err(qp_err)?;
+        let mut peer = peer;
+        peer.addr = SocketAddr::new(peer.addr.ip().to_canonical(), peer.addr.port());
+        g.peer = Some(peer);
+        g.tx = Some(Arc::new(tx));
+        Ok(())
+    }
+
+    fn post_send(&self, wr: SendWr) -> Result<()> {
+        self.0
+            .inner
+            .lock()
+            .qp
+            .post_send(wr.wr_id, op_to_wr(wr.op))
+            .map_err(qp_err)?;
+        self.0.pump();
+        Ok(())
+    }
+
+    fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()> {
+        self.0
+            .inner
+            .lock()
+            .qp
+            .post_recv(wr_id, max_len)
+            .map_err(qp_err)
+    }
+
+    fn state(&self) -> QpState {
+        match self.0.inner.lock().qp.state() {
+            rdmx_roce_proto::QpState::Rts => QpState::Rts,
+            rdmx_roce_proto::QpState::Error => QpState::Error,
+            _ => QpState::Init,
+        }
+    }
+
+    fn expected_psn(&self) -> u32 {
+        self.0.inner.lock().qp.expected_psn()
+    }
+
+    fn to_error(&self) {
+        self.0.inner.lock().qp.enter_error();
+        self.0.pump();
+    }
+
+    fn attach_stats(&self, stats: Arc<Stats>) {
+        let now = self.0.inner.lock().qp.stats();
+        *self.0.sink.lock() = Some((stats, now));
+    }
+
+    fn counters(&self) -> QpCounters {
+        let s = self.0.inner.lock().qp.stats();
+        QpCounters {
+            retransmits: s.retransmits,
+            naks: s.naks_received,
+            rnr_naks: s.rnr_naks_received,
+            cnps: s.cnps_received,
+            remote_ops: s.remote_ops,
+            remote_denied: s.remote_denied,
+        }
+    }
+}
+
+const RX_BATCH: usize = 32;
+const RX_BUF: usize = 64 * 1024;
+
+/// Receive loop: GRO/recvmmsg batches → verify ICRC → engine → pump touched QPs.
+async fn rx_loop(d: Arc<Device>) {
+    let mut bufs: Vec<Vec<u8>> = (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect();
+    let mut metas = vec![RecvMeta::default(); RX_BATCH];
+    let mut solver = Ipv4IdSolver::new();
+    let mut touched: Vec<Arc<SoftQp>> = Vec::new();
+    loop {
+        if d.rx.readable().await.is_err() {
+            return;
+        }
+        loop {
+            let r = {
+                let mut iovs: Vec<IoSliceMut<'_>> =
+                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                d.rx.try_io(Interest::READABLE, || {
+                    d.rx_state.recv((&d.rx).into(), &mut iovs, &mut metas)
+                })
+            };
+            let n = match r {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    debug!("soft RoCE receive: {e}");
+                    break;
+                }
+            };
+            let now = d.now();
+            for (meta, buf) in metas.iter().zip(&bufs).take(n) {
+                let stride = meta.stride.max(1);
+                for dgram in buf[..meta.len].chunks(stride) {
+                    handle_datagram(&d, &mut solver, now, meta, dgram, &mut touched);
+                }
+            }
+            for qp in touched.drain(..) {
+                qp.pump();
+            }
+        }
+    }
+}
+
+fn handle_datagram(
+    d: &Arc<Device>,
+    solver: &mut Ipv4IdSolver,
+    now: u64,
+    meta: &RecvMeta,
+    dgram: &[u8],
+    touched: &mut Vec<Arc<SoftQp>>,
+) {
+    let c = &d.counters;
+    c.rx_packets.fetch_add(1, Ordering::Relaxed);
+    c.rx_bytes.fetch_add(dgram.len() as u64, Ordering::Relaxed);
+    if dgram.len() < 16 {
+        c.malformed.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let (t, crc) = dgram.split_at(dgram.len() - 4);
+    let wire = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+    let from = SocketAddr::new(meta.addr.ip().to_canonical(), meta.addr.port());
+    let to_ip = meta
+        .dst_ip
+        .map(|a| a.to_canonical())
+        .unwrap_or_else(|| d.cfg.bind.to_canonical());
+    let to = SocketAddr::new(to_ip, d.port);
+    // ICRC first: a packet that fails it is dropped and counted, never acted on
+    // (rocev2-reference §9).
+    let (ip, udp) = headers(from, to, dgram.len() + 8);
+    let ok = if from.is_ipv4() && to.is_ipv4() {
+        solver.solve(&ip, &udp, t, wire).is_some()
+    } else {
+        icrc::compute(&ip, &udp, t) == wire
+    };
+    if !ok {
+        c.icrc_errors.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let pkt = match Packet::decode(t) {
+        Ok(p) => p,
+        Err(_) => {
+            c.malformed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let ce = meta.ecn == Some(EcnCodepoint::Ce);
+    if ce {
+        c.ce_marked.fetch_add(1, Ordering::Relaxed);
+    }
+    if d.capture.lock().is_some() {
+        d.record(from, to, &pkt, if ce { 3 } else { 2 });
+    }
+    let Some(qp) = d.qps.read().get(&pkt.bth.dest_qp).cloned() else {
+        c.unknown_qp.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    qp.receive(now, from, &pkt, ce);
+    if !touched.iter().any(|q| q.qpn == qp.qpn) {
+        touched.push(qp);
+    }
+}
+
+/// Timer loop: ACK timeouts, RNR waits and DCQCN pacing of every QP.
+async fn timer_loop(d: Arc<Device>) {
+    loop {
+        let now = d.now();
+        let qps: Vec<Arc<SoftQp>> = d.qps.read().values().cloned().collect();
+        let mut next = u64::MAX;
+        for qp in qps {
+            if qp.deadline.load(Ordering::Acquire) <= now {
+                qp.on_timer(now);
+            }
+            next = next.min(qp.deadline.load(Ordering::Acquire));
+        }
+        d.timer_target.store(next, Ordering::Release);
+        let sleep = (next != u64::MAX).then(|| d.epoch + Duration::from_nanos(next));
+        let wait = async {
+            match sleep {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = wait => {}
+            _ = d.timer.notified() => {}
+        }
+    }
+}

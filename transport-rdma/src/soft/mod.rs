@@ -1,0 +1,6 @@
+//! The soft provider: a userspace RoCEv2 device over UDP.
+
+mod cq;
+mod device;
+
+pub use device::{DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};

@@ -1,0 +1,413 @@
+//! The verbs-level provider trait: what the rdmx RDMA transport needs from an
+//! RDMA stack, implemented by the userspace RoCEv2 engine ([`crate::soft`]) and
+//! by real NICs (the `hw` feature).
+//!
+//! The shapes follow libibverbs (protection domain, memory registration,
+//! completion queue with an event fd, RC queue pair, post send/recv, poll/arm)
+//! with owned buffers: a posted work request owns its data (`Bytes`) until its
+//! completion, so nothing a caller can drop or reuse is ever touched by the NIC.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rdmx_core::{Domain, MemoryRegion, RemoteRegion, Result};
+use tokio::io::unix::AsyncFd;
+
+/// Which kind of provider carries a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderKind {
+    /// The userspace RoCEv2 engine over a UDP socket.
+    Soft,
+    /// A real RDMA NIC through libibverbs.
+    Hardware,
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ProviderKind::Soft => "soft-roce",
+            ProviderKind::Hardware => "hw",
+        })
+    }
+}
+
+/// The local end of a path: what the peer needs to reach our QPs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortInfo {
+    /// Our GID as an IP address (RoCEv2 GIDs are IPv4-mapped or IPv6 addresses).
+    pub gid: IpAddr,
+    /// UDP port the provider receives RoCEv2 on (4791 on NICs).
+    pub udp_port: u16,
+    /// Active path MTU in bytes (256..=4096).
+    pub mtu: u32,
+}
+
+/// What an RC queue pair is connected to (the INIT → RTR → RTS parameters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpPeer {
+    /// Our own address on the path (the local GID): packets leave from it.
+    pub local: IpAddr,
+    /// The peer's QP number.
+    pub qpn: u32,
+    /// The PSN the peer starts sending with (our receive PSN).
+    pub psn: u32,
+    /// Where the peer receives RoCEv2 packets.
+    pub addr: SocketAddr,
+    /// Path MTU both ends use (the minimum of the two).
+    pub mtu: u32,
+    /// Use selective repeat (both ends support it) instead of go-back-N.
+    pub selective_repeat: bool,
+}
+
+/// Queue pair sizes and timers (the `ibv_qp_init_attr` / `ibv_qp_attr` subset rdmx uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpOptions {
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout).
+    pub timeout: u8,
+    /// Retries on timeout / sequence NAK.
+    pub retry_cnt: u8,
+    /// Retries on RNR NAK (7 = infinite).
+    pub rnr_retry: u8,
+    /// Outstanding READ/atomic requests.
+    pub max_rd_atomic: u32,
+}
+
+impl Default for QpOptions {
+    fn default() -> Self {
+        QpOptions {
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            max_rd_atomic: 16,
+        }
+    }
+}
+
+/// A send-queue operation. Gather lists are owned `Bytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    /// Two-sided send, optionally with immediate data.
+    Send {
+        /// Gather list.
+        sg: Vec<Bytes>,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// RDMA WRITE to `dst` (with immediate: consumes a receive at the peer).
+    Write {
+        /// Gather list; its total length is `dst.len`.
+        sg: Vec<Bytes>,
+        /// Remote range.
+        dst: RemoteRegion,
+        /// Immediate data.
+        imm: Option<u32>,
+    },
+    /// RDMA READ of `src`; the data arrives in the completion.
+    Read {
+        /// Remote range.
+        src: RemoteRegion,
+    },
+    /// Compare-and-swap on the remote 8-byte word.
+    CompareSwap {
+        /// Remote word.
+        dst: RemoteRegion,
+        /// Expected value.
+        compare: u64,
+        /// New value.
+        swap: u64,
+    },
+    /// Fetch-and-add on the remote 8-byte word.
+    FetchAdd {
+        /// Remote word.
+        dst: RemoteRegion,
+        /// Addend.
+        add: u64,
+    },
+}
+
+impl SendOp {
+    /// Bytes this operation moves on the wire (payload or read length).
+    pub fn len(&self) -> u64 {
+        match self {
+            SendOp::Send { sg, .. } | SendOp::Write { sg, .. } => {
+                sg.iter().map(|b| b.len() as u64).sum()
+            }
+            SendOp::Read { src } => src.len,
+            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } => 8,
+        }
+    }
+
+    /// True for operations that move no payload bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// PSNs the request occupies at path MTU `mtu` (IBTA 9.7.1: one per packet,
+    /// READ: one per response packet, atomics: one).
+    pub fn psn_count(&self, mtu: u32) -> u32 {
+        match self {
+            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } => 1,
+            _ => self.len().div_ceil(u64::from(mtu)).max(1) as u32,
+        }
+    }
+}
+
+/// A send work request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendWr {
+    /// Caller's id, returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+}
+
+/// Completion status, the `ibv_wc_status` values with a hint a person can act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcStatus {
+    /// Done.
+    Success,
+    /// Local length error (a message larger than the posted receive).
+    LocalLength,
+    /// Local QP operation error.
+    LocalQpOperation,
+    /// Local protection error (buffer not registered or wrong lkey).
+    LocalProtection,
+    /// Flushed: the QP went to ERROR before this request completed.
+    Flushed,
+    /// The peer NAKed with Invalid Request.
+    RemoteInvalidRequest,
+    /// The peer NAKed with Remote Access Error (R_Key, bounds or rights).
+    RemoteAccess,
+    /// The peer NAKed with Remote Operational Error.
+    RemoteOperational,
+    /// Local ACK timeout retries exhausted.
+    RetryExceeded,
+    /// RNR NAK retries exhausted (the peer posts no receives).
+    RnrRetryExceeded,
+    /// Anything else the provider reports (its raw code).
+    Other(u32),
+}
+
+impl WcStatus {
+    /// What a person should check when they see this status.
+    pub fn hint(self) -> &'static str {
+        match self {
+            WcStatus::Success => "success",
+            WcStatus::LocalLength => "a message was larger than the receive buffer posted for it",
+            WcStatus::LocalQpOperation => {
+                "local QP operation error: a work request the QP cannot execute"
+            }
+            WcStatus::LocalProtection => {
+                "local buffer not registered, or registered without the needed access"
+            }
+            WcStatus::Flushed => {
+                "flushed: the queue pair entered the error state before this request ran"
+            }
+            WcStatus::RemoteInvalidRequest => {
+                "the peer rejected the request as invalid (opcode, length or alignment)"
+            }
+            WcStatus::RemoteAccess => {
+                "the peer refused the access: wrong R_Key, out of bounds, or missing rights"
+            }
+            WcStatus::RemoteOperational => "the peer failed to execute the request",
+            WcStatus::RetryExceeded => {
+                "no response after all retries: peer unreachable, wrong GID, or MTU mismatch"
+            }
+            WcStatus::RnrRetryExceeded => {
+                "the peer posted no receive buffer in time (receiver not ready)"
+            }
+            WcStatus::Other(_) => "provider-specific completion error",
+        }
+    }
+}
+
+/// What a completion was for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcOpcode {
+    /// A send finished.
+    Send,
+    /// An RDMA WRITE finished.
+    Write,
+    /// An RDMA READ finished.
+    Read,
+    /// A compare-and-swap finished.
+    CompareSwap,
+    /// A fetch-and-add finished.
+    FetchAdd,
+    /// A receive got a message.
+    Recv,
+    /// A receive was consumed by a WRITE with immediate.
+    RecvWriteImm,
+}
+
+/// A work completion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// The QP it belongs to.
+    pub qpn: u32,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What finished.
+    pub opcode: WcOpcode,
+    /// Bytes moved.
+    pub byte_len: u64,
+    /// Received message or READ data.
+    pub data: Bytes,
+    /// Immediate data.
+    pub imm: Option<u32>,
+    /// The original remote value of an atomic.
+    pub atomic_orig: Option<u64>,
+}
+
+/// A completion queue whose events can be awaited through a file descriptor
+/// (`ibv_comp_channel` on NICs).
+pub trait CompletionQueue: Send + Sync + 'static {
+    /// Move up to `max` completions into `out`; returns how many.
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
+    /// Arm: make the event fd readable at the next completion (`ibv_req_notify_cq`).
+    fn req_notify(&self) -> Result<()>;
+    /// The event fd (non-blocking).
+    fn event_fd(&self) -> BorrowedFd<'_>;
+    /// Consume pending events (`ibv_get_cq_event` + `ibv_ack_cq_events`), without blocking.
+    fn ack_events(&self);
+    /// For providers to recover their concrete CQ type.
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
+}
+
+/// QP state as the provider reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    /// Created, not connected.
+    Init,
+    /// Connected and sending.
+    Rts,
+    /// Failed; posted requests are flushed.
+    Error,
+}
+
+/// An RC queue pair.
+pub trait QueuePair: Send + Sync + 'static {
+    /// Our QP number.
+    fn qpn(&self) -> u32;
+    /// INIT → RTR → RTS towards `peer`, sending from PSN `sq_psn`.
+    fn connect(&self, peer: QpPeer, sq_psn: u32) -> Result<()>;
+    /// Post a send-queue request (always signaled).
+    fn post_send(&self, wr: SendWr) -> Result<()>;
+    /// Post a receive able to hold `max_len` bytes.
+    fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()>;
+    /// Current state.
+    fn state(&self) -> QpState;
+    /// The PSN our responder expects next (what the peer's requests have
+    /// executed up to); used to settle requests flushed by a QP reset.
+    fn expected_psn(&self) -> u32;
+    /// Move to ERROR (flushes everything posted).
+    fn to_error(&self);
+    /// Protocol counters, where the provider has them.
+    fn counters(&self) -> QpCounters {
+        QpCounters::default()
+    }
+    /// Add this QP's protocol events (retransmits, NAKs, RNR NAKs, CNPs,
+    /// remote operations served and refused) to `stats` as they happen.
+    fn attach_stats(&self, stats: Arc<rdmx_core::Stats>);
+}
+
+/// Per-QP protocol counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpCounters {
+    /// Packets retransmitted.
+    pub retransmits: u64,
+    /// NAKs received.
+    pub naks: u64,
+    /// RNR NAKs received.
+    pub rnr_naks: u64,
+    /// CNPs received (DCQCN reaction point).
+    pub cnps: u64,
+    /// Remote WRITE/READ/atomic requests our responder executed (0 where the
+    /// NIC does not count them per QP).
+    pub remote_ops: u64,
+    /// Remote accesses our responder refused.
+    pub remote_denied: u64,
+}
+
+/// A protection domain: the memory a peer may reach through our QPs.
+pub trait ProtectionDomain: Send + Sync + 'static {
+    /// Register `mr` for remote access; returns its remote key.
+    fn register(&self, mr: &MemoryRegion) -> Result<u32>;
+    /// Create an RC queue pair whose completions go to `cq`.
+    fn create_qp(
+        &self,
+        cq: &Arc<dyn CompletionQueue>,
+        opts: QpOptions,
+    ) -> Result<Arc<dyn QueuePair>>;
+}
+
+/// An RDMA stack: the soft RoCEv2 engine or a NIC.
+pub trait Provider: Send + Sync + 'static {
+    /// Soft or hardware.
+    fn kind(&self) -> ProviderKind;
+    /// Device name for people (`"soft-roce:4791"`, `"mlx5_0"`).
+    fn device_name(&self) -> String;
+    /// Our address on the path to `peer` (GID, UDP port, MTU).
+    fn port_for(&self, local_ip: IpAddr) -> Result<PortInfo>;
+    /// Selective repeat supported (only rdmx engines; NICs do go-back-N).
+    fn selective_repeat(&self) -> bool;
+    /// A protection domain over `domain`'s regions.
+    fn alloc_pd(&self, domain: &Domain) -> Result<Arc<dyn ProtectionDomain>>;
+    /// A completion queue.
+    fn create_cq(&self, depth: usize) -> Result<Arc<dyn CompletionQueue>>;
+}
+
+/// Waits for completions of one CQ under tokio, without losing any: poll; if
+/// empty, arm, poll again (a completion may have raced the arm), then wait on
+/// the event fd, consume its events, and repeat.
+pub struct CqWaiter {
+    cq: Arc<dyn CompletionQueue>,
+    fd: AsyncFd<OwnedFd>,
+}
+
+impl fmt::Debug for CqWaiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CqWaiter")
+            .field("fd", &self.fd.get_ref().as_raw_fd())
+            .finish()
+    }
+}
+
+impl CqWaiter {
+    /// Register `cq`'s event fd with the current tokio runtime.
+    pub fn new(cq: Arc<dyn CompletionQueue>) -> Result<CqWaiter> {
+        let fd = cq
+            .event_fd()
+            .try_clone_to_owned()
+            .and_then(crate::fdwait::register)
+            .map_err(|e| rdmx_core::Error::ResourceExhausted(format!("CQ event fd: {e}")))?;
+        Ok(CqWaiter { cq, fd })
+    }
+
+    /// Wait until at least one completion is available and move up to `max` into `out`.
+    pub async fn next(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
+        loop {
+            let n = self.cq.poll(out, max);
+            if n > 0 {
+                return Ok(n);
+            }
+            self.cq.req_notify()?;
+            let n = self.cq.poll(out, max);
+            if n > 0 {
+                return Ok(n);
+            }
+            let mut guard = self
+                .fd
+                .readable()
+                .await
+                .map_err(|e| rdmx_core::Error::Disconnected(format!("CQ event fd: {e}")))?;
+            self.cq.ack_events();
+            guard.clear_ready();
+        }
+    }
+}

@@ -248,6 +248,8 @@ pub struct QpStats {
     pub cnps_sent: u64,
     /// CNPs received and handled (reaction point).
     pub cnps_received: u64,
+    /// Selective repeat: packets the responder kept out of order.
+    pub out_of_order_kept: u64,
     /// Remote WRITEs, READs and atomics this responder executed (not duplicates).
     pub remote_ops: u64,
     /// Remote accesses this responder refused (NAK remote access / invalid request).
@@ -270,6 +272,8 @@ struct SendWqe {
     done: Option<(WcStatus, Option<u64>)>,
     /// Highest packet index sent so far (to count retransmissions).
     sent_upto: u32,
+    /// A READ already asked again in this round after a gap in its responses.
+    gap_asked: bool,
 }
 
 impl SendWqe {
@@ -348,6 +352,8 @@ pub struct Qp {
     rnr_left: u8,
     retry_deadline: Option<u64>,
     rnr_until: Option<u64>,
+    /// Selective repeat: single PSNs to resend before anything new.
+    retx: VecDeque<u32>,
 
     // responder
     epsn: u32,
@@ -355,6 +361,9 @@ pub struct Qp {
     rq: VecDeque<RecvWqe>,
     open: Option<OpenMessage>,
     nak_sent: bool,
+    /// Selective repeat: packets that arrived ahead of ePSN, executed in order
+    /// once the gap fills.
+    ooo: std::collections::BTreeMap<u32, Packet>,
     resources: VecDeque<Resource>,
     pending_ack: Option<u32>,
     resp_tx: VecDeque<Packet>,
@@ -403,11 +412,13 @@ impl Qp {
             rnr_left: cfg.rnr_retry,
             retry_deadline: None,
             rnr_until: None,
+            retx: VecDeque::new(),
             epsn: 0,
             msn: 0,
             rq: VecDeque::new(),
             open: None,
             nak_sent: false,
+            ooo: std::collections::BTreeMap::new(),
             resources: VecDeque::new(),
             pending_ack: None,
             resp_tx: VecDeque::new(),
@@ -551,6 +562,7 @@ impl Qp {
             round_start: first_psn,
             done: None,
             sent_upto: 0,
+            gap_asked: false,
         });
         Ok(())
     }
@@ -621,6 +633,9 @@ impl Qp {
             }
         }
         self.pace_blocked = false;
+        if let Some(p) = self.selective_resend(now) {
+            return Some(p);
+        }
         let wqe = self.sq.get(self.tx_wqe)?;
         let psn = psn::add(wqe.first_psn, self.tx_pkt);
         // Window: unacknowledged PSNs (rxe RXE_MAX_UNACKED_PSNS).
@@ -639,8 +654,74 @@ impl Qp {
                 return None;
             }
         }
-        let pmtu = self.cfg.pmtu as usize;
         let idx = self.tx_pkt;
+        let (mut pkt, advance) = self.build_request(self.tx_wqe, idx);
+        let wqe = &self.sq[self.tx_wqe];
+        let last = idx + advance >= wqe.npkts;
+        // AckReq on the last packet of a message and at least every `ack_every`
+        // packets (rocev2-reference §6); reads and atomics are always answered.
+        self.pkts_since_ackreq += 1;
+        if last || self.pkts_since_ackreq >= self.cfg.ack_every || wqe.needs_response() {
+            pkt.bth.ack_req = true;
+            self.pkts_since_ackreq = 0;
+        }
+        self.account_sent(now, &pkt);
+        let wqe = &mut self.sq[self.tx_wqe];
+        if idx < wqe.sent_upto {
+            self.stats.retransmits += 1;
+        } else {
+            wqe.sent_upto = idx + 1;
+        }
+        self.tx_pkt += advance;
+        if self.tx_pkt >= wqe.npkts {
+            self.tx_wqe += 1;
+            self.tx_pkt = 0;
+        }
+        Some(pkt)
+    }
+
+    /// DCQCN byte counting and pacing for a packet about to leave.
+    fn account_sent(&mut self, now: u64, pkt: &Packet) {
+        if let Some(rp) = self.rp.as_mut() {
+            // Bytes on the wire: Ethernet + IPv4 + UDP (42) + transport + ICRC.
+            let wire = (42 + pkt.encoded_len() + 4) as u64;
+            rp.on_sent(now, wire);
+            self.next_send_at = self.next_send_at.max(now) + rp.pace_ns(wire);
+        }
+    }
+
+    /// Selective repeat: the next single packet to resend, if any.
+    fn selective_resend(&mut self, now: u64) -> Option<Packet> {
+        while let Some(p) = self.retx.pop_front() {
+            if psn::diff(p, self.una) < 0 {
+                continue; // acknowledged meanwhile
+            }
+            let Some(wi) = self.sq.iter().position(|w| {
+                w.done.is_none()
+                    && psn::diff(p, w.first_psn) >= 0
+                    && psn::diff(p, w.last_psn()) <= 0
+            }) else {
+                continue;
+            };
+            let idx = psn::diff(p, self.sq[wi].first_psn) as u32;
+            if idx >= self.sq[wi].sent_upto {
+                continue; // never sent: the normal path sends it
+            }
+            let (mut pkt, _) = self.build_request(wi, idx);
+            pkt.bth.ack_req = true;
+            self.account_sent(now, &pkt);
+            self.stats.retransmits += 1;
+            return Some(pkt);
+        }
+        None
+    }
+
+    /// The request packet for packet `idx` of WQE `wi`, and how many PSNs it
+    /// covers (a READ request covers its chunk of responses).
+    fn build_request(&self, wi: usize, idx: u32) -> (Packet, u32) {
+        let wqe = &self.sq[wi];
+        let psn = psn::add(wqe.first_psn, idx);
+        let pmtu = self.cfg.pmtu as usize;
         let last = idx + 1 == wqe.npkts;
         let first = idx == 0;
         let mut pkt = Packet::new(Bth::new(Opcode::SEND_ONLY, self.remote_qpn, psn));
@@ -731,32 +812,29 @@ impl Qp {
                 });
             }
         }
-        // AckReq on the last packet of a message and at least every `ack_every`
-        // packets (rocev2-reference §6); reads and atomics are always answered.
-        self.pkts_since_ackreq += 1;
-        if last || self.pkts_since_ackreq >= self.cfg.ack_every || wqe.needs_response() {
-            pkt.bth.ack_req = true;
-            self.pkts_since_ackreq = 0;
-        }
         pkt.finish();
-        if let Some(rp) = self.rp.as_mut() {
-            // Bytes on the wire: Ethernet + IPv4 + UDP (42) + transport + ICRC.
-            let wire = (42 + pkt.encoded_len() + 4) as u64;
-            rp.on_sent(now, wire);
-            self.next_send_at = self.next_send_at.max(now) + rp.pace_ns(wire);
+        (pkt, advance)
+    }
+
+    /// Recover from a loss at `psn`: selective repeat resends just that packet
+    /// of a SEND/WRITE (the responder kept what followed); go-back-N, and any
+    /// READ/atomic, resend from there.
+    fn recover(&mut self, psn: u32) {
+        if self.cfg.selective_repeat {
+            let single = self.sq.iter().any(|w| {
+                w.done.is_none()
+                    && matches!(w.wr, WorkRequest::Send { .. } | WorkRequest::Write { .. })
+                    && psn::diff(psn, w.first_psn) >= 0
+                    && psn::diff(psn, w.last_psn()) <= 0
+            });
+            if single {
+                if !self.retx.contains(&psn) {
+                    self.retx.push_back(psn);
+                }
+                return;
+            }
         }
-        let wqe = &mut self.sq[self.tx_wqe];
-        if idx < wqe.sent_upto {
-            self.stats.retransmits += 1;
-        } else {
-            wqe.sent_upto = idx + 1;
-        }
-        self.tx_pkt += advance;
-        if self.tx_pkt >= wqe.npkts {
-            self.tx_wqe += 1;
-            self.tx_pkt = 0;
-        }
-        Some(pkt)
+        self.rewind(psn);
     }
 
     /// Go back to `psn` and resend everything from there (rocev2-reference §7).
@@ -858,7 +936,7 @@ impl Qp {
             return;
         }
         self.retry_left -= 1;
-        self.rewind(self.una);
+        self.recover(self.una);
         self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + t);
     }
 
@@ -986,7 +1064,7 @@ impl Qp {
                             }
                             self.retry_left -= 1;
                         }
-                        self.rewind(p);
+                        self.recover(p);
                     }
                     Syndrome::Nak(code) => {
                         self.stats.naks_received += 1;
@@ -1050,10 +1128,20 @@ impl Qp {
         };
         if p != w.read_next || psn::diff(p, w.first_psn) < 0 || psn::diff(p, w.last_psn()) > 0 {
             // Out of place: a gap (loss or reordering) or a late copy from an
-            // earlier round of this read. Replayed responses reuse their PSNs, so
-            // a gap cannot tell loss from lateness: the local ACK timeout
-            // recovers a lost response (rocev2-reference §7).
+            // earlier round of this read. A response well beyond the one
+            // expected (3 PSNs: reordering tolerance, as TCP's duplicate ACKs)
+            // means a loss: ask again from the first missing response at once
+            // (IBTA 9.7.5.1.5; rxe does the same on an out-of-sequence
+            // response). Replayed responses reuse their PSNs, so a late copy
+            // looks the same: ask at most once until the read progresses again;
+            // the local ACK timeout covers the rest (rocev2-reference §7).
             self.stats.dropped += 1;
+            let ahead = psn::diff(p, w.read_next) >= 3 && psn::diff(p, w.last_psn()) <= 0;
+            if ahead && !w.gap_asked {
+                w.gap_asked = true;
+                let at = w.read_next;
+                self.rewind(at);
+            }
             return;
         }
         let idx = psn::diff(p, w.first_psn) as u32;
@@ -1080,6 +1168,7 @@ impl Qp {
         }
         w.read_buf.extend_from_slice(&pkt.payload);
         w.read_next = psn::add(p, 1);
+        w.gap_asked = false;
         // Responses acknowledge their own PSNs (IBTA 9.7.5.1.3): the window moves.
         self.una = w.read_next;
         if is_last {
@@ -1124,6 +1213,8 @@ impl Qp {
         self.retry_deadline = None;
         self.rnr_until = None;
         self.pending_ack = None;
+        self.retx.clear();
+        self.ooo.clear();
     }
 
     // ------------------------------------------------------------ responder
@@ -1153,8 +1244,16 @@ impl Qp {
     fn responder(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
         let d = psn::diff(pkt.bth.psn, self.epsn);
         if d > 0 {
-            // A gap: NAK once until the expected packet arrives (§5, §6).
-            self.stats.dropped += 1;
+            // A gap: NAK once until the expected packet arrives (§5, §6). With
+            // selective repeat the packet is kept (within the requester's
+            // window) and executed in order once the gap fills.
+            if self.cfg.selective_repeat && d < 2 * self.cfg.max_unacked.max(1) as i32 {
+                if self.ooo.insert(pkt.bth.psn, pkt.clone()).is_none() {
+                    self.stats.out_of_order_kept += 1;
+                }
+            } else {
+                self.stats.dropped += 1;
+            }
             if !self.nak_sent {
                 self.nak_sent = true;
                 self.send_nak(NakCode::PsnSequenceError, false);
@@ -1167,6 +1266,34 @@ impl Qp {
             return;
         }
         self.nak_sent = false;
+        self.execute(pkt, mem);
+        if self.ooo.is_empty() {
+            return;
+        }
+        // Selective repeat: run what was kept, in order, up to the next gap.
+        let mut ran = false;
+        while self.state != QpState::Error {
+            let Some(next) = self.ooo.remove(&self.epsn) else {
+                break;
+            };
+            self.execute(&next, mem);
+            ran = true;
+        }
+        // Drop anything the executed requests overtook (a READ covers many PSNs).
+        let epsn = self.epsn;
+        self.ooo.retain(|&p, _| psn::diff(p, epsn) > 0);
+        if ran {
+            self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+        }
+        if !self.ooo.is_empty() && self.state != QpState::Error {
+            // Another gap: say where at once.
+            self.nak_sent = true;
+            self.send_nak(NakCode::PsnSequenceError, false);
+        }
+    }
+
+    /// Execute the request at ePSN.
+    fn execute(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
         let op = pkt.bth.opcode;
         match op {
             Opcode::SEND_FIRST

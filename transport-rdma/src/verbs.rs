@@ -65,7 +65,8 @@ pub struct QpPeer {
 /// Queue pair sizes and timers (the `ibv_qp_init_attr` / `ibv_qp_attr` subset rdmx uses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpOptions {
-    /// Local ACK timeout exponent (4.096 µs × 2^timeout).
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout). The default, 10
+    /// (4.2 ms), suits data-center round trips; raise it for long paths.
     pub timeout: u8,
     /// Retries on timeout / sequence NAK.
     pub retry_cnt: u8,
@@ -78,7 +79,7 @@ pub struct QpOptions {
 impl Default for QpOptions {
     fn default() -> Self {
         QpOptions {
-            timeout: 14,
+            timeout: 10,
             retry_cnt: 7,
             rnr_retry: 7,
             max_rd_atomic: 16,

@@ -34,7 +34,8 @@ pub(crate) struct PerfArgs {
     /// Server: address to listen on.
     #[arg(long, default_value = "127.0.0.1:7471")]
     listen: String,
-    /// Transport for the server and --loopback (tcp; the RDMA work adds soft-roce, rdma).
+    /// Transport for the server and --loopback: tcp, or rdma (a NIC, else the
+    /// soft RoCEv2 engine over UDP 4791).
     #[arg(long, default_value = "tcp")]
     transport: String,
     /// Operations: send, write, read, cas, faa (comma-separated).
@@ -73,6 +74,10 @@ pub(crate) struct PerfArgs {
     /// Transport policy: require, prefer, tcp-only.
     #[arg(long, default_value = "prefer")]
     policy: String,
+    /// Write every RoCEv2 packet the soft engine sends during the run to this
+    /// pcap file (check it with `rdmx pcap check`, decode it with tshark).
+    #[arg(long)]
+    capture: Option<String>,
 }
 
 /// The baseline's figures for one point.
@@ -107,7 +112,9 @@ pub(crate) struct PerfResult {
 }
 
 pub(crate) fn transports() -> Transports {
-    Transports::new().with(rdmx_transport_tcp::TcpTransport::new())
+    Transports::new()
+        .with(rdmx_transport_tcp::TcpTransport::new())
+        .with(rdmx_transport_rdma::RdmaTransport::new())
 }
 
 fn parse_size(s: &str) -> Result<u64, Error> {
@@ -306,6 +313,23 @@ fn payload(op: &str, size: u64, tag: u8) -> Bytes {
 }
 
 async fn client(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
+    let capture = match &a.capture {
+        Some(path) => {
+            let dev = rdmx_transport_rdma::SoftRoce::global()?;
+            dev.start_capture(std::path::Path::new(path))?;
+            Some((dev, path.clone()))
+        }
+        None => None,
+    };
+    let r = measure(a, url, raw_addr).await;
+    if let Some((dev, path)) = capture {
+        let frames = dev.stop_capture();
+        eprintln!("rdmx perf: wrote {frames} RoCEv2 frames to {path}");
+    }
+    r
+}
+
+async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
     let opts = options(a)?;
     let ts = transports();
     let conn = ts.connect(url, &opts).await?;

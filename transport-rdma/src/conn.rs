@@ -361,6 +361,8 @@ pub(crate) struct Setup {
 }
 
 pub(crate) struct Shared {
+    /// Keeps the provider (and a soft device's tasks) alive with the connection.
+    _provider: Arc<dyn Provider>,
     info: ConnectionInfo,
     stats: Arc<Stats>,
     domain: Domain,
@@ -496,6 +498,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     stats.add(|s| &s.connections, 1);
     qp.attach_stats(stats.clone());
     let sh = Arc::new(Shared {
+        _provider: provider.clone(),
         info,
         stats,
         domain,

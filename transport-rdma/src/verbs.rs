@@ -276,6 +276,12 @@ pub trait CompletionQueue: Send + Sync + 'static {
     fn event_fd(&self) -> BorrowedFd<'_>;
     /// Consume pending events (`ibv_get_cq_event` + `ibv_ack_cq_events`), without blocking.
     fn ack_events(&self);
+    /// Providers that run in-process may wake a waiter directly instead of
+    /// through the event fd: register `waker` for the next armed completion and
+    /// return true. The default (NICs) returns false: use the fd.
+    fn register_waker(&self, _waker: &std::task::Waker) -> bool {
+        false
+    }
     /// For providers to recover their concrete CQ type.
     fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
 }
@@ -396,6 +402,32 @@ impl CqWaiter {
             let n = self.cq.poll(out, max);
             if n > 0 {
                 return Ok(n);
+            }
+            // In-process providers wake this task directly (no fd round trip,
+            // and the wake stays on the current worker).
+            let cq = &self.cq;
+            let mut armed_err = None;
+            let direct = std::future::poll_fn(|cx| {
+                if !cq.register_waker(cx.waker()) {
+                    return std::task::Poll::Ready(None);
+                }
+                if let Err(e) = cq.req_notify() {
+                    armed_err = Some(e);
+                    return std::task::Poll::Ready(Some(0));
+                }
+                match cq.poll(out, max) {
+                    0 => std::task::Poll::Pending,
+                    n => std::task::Poll::Ready(Some(n)),
+                }
+            })
+            .await;
+            if let Some(e) = armed_err {
+                return Err(e);
+            }
+            match direct {
+                Some(0) => continue,
+                Some(n) => return Ok(n),
+                None => {}
             }
             self.cq.req_notify()?;
             let n = self.cq.poll(out, max);

@@ -17,6 +17,8 @@ use crate::verbs::{CompletionQueue, WorkCompletion};
 pub(crate) struct SoftCq {
     queue: Mutex<VecDeque<WorkCompletion>>,
     armed: AtomicBool,
+    /// Woken instead of the fd when a waiter registered one.
+    waker: Mutex<Option<std::task::Waker>>,
     /// Written when an armed CQ gets a completion.
     notify: UnixDatagram,
     /// The event fd handed out.
@@ -34,6 +36,7 @@ impl SoftCq {
         Ok(SoftCq {
             queue: Mutex::new(VecDeque::new()),
             armed: AtomicBool::new(false),
+            waker: Mutex::new(None),
             notify,
             events,
         })
@@ -50,8 +53,13 @@ impl SoftCq {
             }
         }
         if n > 0 && self.armed.swap(false, Ordering::AcqRel) {
-            // A full socket buffer already means "readable": ignore WouldBlock.
-            let _ = self.notify.send(&[1]);
+            match self.waker.lock().take() {
+                Some(w) => w.wake(),
+                // A full socket buffer already means "readable": ignore WouldBlock.
+                None => {
+                    let _ = self.notify.send(&[1]);
+                }
+            }
         }
     }
 }
@@ -76,6 +84,15 @@ impl CompletionQueue for SoftCq {
     fn ack_events(&self) {
         let mut buf = [0u8; 64];
         while self.events.recv(&mut buf).is_ok() {}
+    }
+
+    fn register_waker(&self, waker: &std::task::Waker) -> bool {
+        let mut w = self.waker.lock();
+        match w.as_ref() {
+            Some(old) if old.will_wake(waker) => {}
+            _ => *w = Some(waker.clone()),
+        }
+        true
     }
 
     fn as_any(self: std::sync::Arc<Self>) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {

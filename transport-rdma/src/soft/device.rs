@@ -1,12 +1,16 @@
 //! The soft RoCEv2 device: the sans-IO engine (`rdmx-roce-proto`) driven over
-//! UDP by a dedicated thread, the way a NIC runs beside the host.
+//! UDP by two tasks on the application's tokio runtime.
 //!
 //! ```text
-//!  app threads ── post_send/post_recv ──> SoftQp (engine under a mutex) ──> per-QP UDP socket
-//!                                             ^                              (own source port)
-//!  device thread: rx loop on UDP :4791 ───────┘ handle_packet, ACKs, completions ──> SoftCq
-//!                 timer loop ───────────────── handle_timeout (ACK timeout, RNR, pacing)
+//!  app tasks ── post_send/post_recv ──> SoftQp (engine under a mutex) ──> per-QP UDP socket
+//!                                          ^                              (own source port)
+//!  rx task: UDP :4791 ─────────────────────┘ handle_packet, ACKs, completions ──> SoftCq
+//!  timer task ──────────────────────────── handle_timeout (ACK timeout, RNR, pacing)
 //! ```
+//!
+//! The tasks run where the application runs (no thread of its own): a worker
+//! that posts a request and then waits finds the answer without a cross-thread
+//! wake-up, which on small VMs costs more than the whole protocol.
 //!
 //! Packets are RoCEv2 as NICs send them (BTH … ICRC in UDP to port 4791,
 //! rocev2-reference §1); data packets carry ECT(0) and received CE marks feed
@@ -141,7 +145,7 @@ pub(crate) struct Device {
     timer_target: AtomicU64,
     counters: Counters,
     capture: Mutex<Option<Capture>>,
-    shutdown: Arc<Notify>,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -186,7 +190,9 @@ pub struct SoftRoce {
 
 impl Drop for SoftRoce {
     fn drop(&mut self) {
-        self.dev.shutdown.notify_one();
+        for t in self.dev.tasks.lock().drain(..) {
+            t.abort();
+        }
     }
 }
 
@@ -236,30 +242,11 @@ impl SoftRoce {
             .local_addr()
             .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?
             .port();
-        let shutdown = Arc::new(Notify::new());
-        let (htx, hrx) = std::sync::mpsc::channel();
-        let stop = shutdown.clone();
-        std::thread::Builder::new()
-            .name(format!("rdmx-soft-roce:{port}"))
-            .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = htx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = htx.send(Ok(rt.handle().clone()));
-                rt.block_on(stop.notified());
-            })
-            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE thread: {e}")))?;
-        let handle = hrx
-            .recv()
-            .map_err(|_| Error::RdmaUnavailable("soft RoCE thread died".into()))?
-            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE runtime: {e}")))?;
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::RdmaUnavailable(
+                "the soft RoCE device runs on a tokio runtime; start it inside one".into(),
+            )
+        })?;
         let (rx, rx_state) = {
             let _g = handle.enter();
             let rx_state = UdpSocketState::new((&std_rx).into())
@@ -284,27 +271,34 @@ impl SoftRoce {
             timer_target: AtomicU64::new(u64::MAX),
             counters: Counters::default(),
             capture: Mutex::new(None),
-            shutdown,
+            tasks: Mutex::new(Vec::new()),
         });
-        handle.spawn(rx_loop(dev.clone()));
-        handle.spawn(timer_loop(dev.clone()));
+        let rx = handle.spawn(rx_loop(dev.clone())).abort_handle();
+        let timer = handle.spawn(timer_loop(dev.clone())).abort_handle();
+        dev.tasks.lock().extend([rx, timer]);
         debug!(port, "soft RoCE device started");
         Ok(SoftRoce { dev })
     }
 
-    /// The process-wide soft device on the default configuration (UDP 4791,
-    /// or a free port if another process holds it), started on first use.
+    /// The shared soft device of the current tokio runtime, on the default
+    /// configuration (UDP 4791, or a free port if something else holds it).
+    /// Started on first use; it lives while connections or handles use it.
     pub fn global() -> Result<Arc<SoftRoce>> {
-        static GLOBAL: std::sync::OnceLock<std::result::Result<Arc<SoftRoce>, String>> =
-            std::sync::OnceLock::new();
-        GLOBAL
-            .get_or_init(|| {
-                SoftRoce::new(SoftConfig::default())
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(Error::RdmaUnavailable)
+        type Registry = HashMap<tokio::runtime::Id, std::sync::Weak<SoftRoce>>;
+        static DEVICES: std::sync::OnceLock<Mutex<Registry>> = std::sync::OnceLock::new();
+        let id = tokio::runtime::Handle::try_current()
+            .map_err(|_| {
+                Error::RdmaUnavailable("the soft RoCE device runs on a tokio runtime".into())
+            })?
+            .id();
+        let mut devs = DEVICES.get_or_init(|| Mutex::new(HashMap::new())).lock();
+        if let Some(d) = devs.get(&id).and_then(|w| w.upgrade()) {
+            return Ok(d);
+        }
+        devs.retain(|_, w| w.strong_count() > 0);
+        let d = Arc::new(SoftRoce::new(SoftConfig::default())?);
+        devs.insert(id, Arc::downgrade(&d));
+        Ok(d)
     }
 
     /// The UDP port this device receives on.
@@ -330,8 +324,7 @@ impl SoftRoce {
         }
     }
 
-    /// Write every packet this device sends and accepts from now on to a pcap
-    /// file (Ethernet/IP/UDP headers rebuilt around the exact RoCEv2 bytes;
+    /// Write every packet this device sends from now on to a pcap file (Ethernet/IP/UDP headers rebuilt around the exact RoCEv2 bytes;
     /// decode it with `tshark` or check it with `rdmx pcap check`).
     pub fn start_capture(&self, path: &std::path::Path) -> Result<()> {
         let f = std::fs::File::create(path)
@@ -1088,9 +1081,6 @@ fn handle_datagram(
     let ce = meta.ecn == Some(EcnCodepoint::Ce);
     if ce {
         c.ce_marked.fetch_add(1, Ordering::Relaxed);
-    }
-    if d.capture.lock().is_some() {
-        d.record(from, to, &pkt, if ce { 3 } else { 2 });
     }
     let Some(qp) = d.qps.read().get(&pkt.bth.dest_qp).cloned() else {
         c.unknown_qp.fetch_add(1, Ordering::Relaxed);

@@ -3,10 +3,7 @@
 //! change in flight masked to ones, stored least-significant byte first.
 
 /// IPv4 header bytes with TOS, TTL and checksum masked to ones.
-fn mask_ipv4(ip: &[u8], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.extend_from_slice(ip);
-    let m = &mut out[start..];
+fn mask_ipv4(m: &mut [u8]) {
     m[1] = 0xFF; // TOS: DSCP + ECN
     m[8] = 0xFF; // TTL
     m[10] = 0xFF; // header checksum
@@ -14,10 +11,7 @@ fn mask_ipv4(ip: &[u8], out: &mut Vec<u8>) {
 }
 
 /// IPv6 header bytes with traffic class, flow label and hop limit masked to ones.
-fn mask_ipv6(ip: &[u8], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.extend_from_slice(ip);
-    let m = &mut out[start..];
+fn mask_ipv6(m: &mut [u8]) {
     m[0] |= 0x0F; // traffic class high nibble (version kept)
     m[1] = 0xFF; // traffic class low nibble + flow label
     m[2] = 0xFF;
@@ -29,23 +23,31 @@ fn mask_ipv6(ip: &[u8], out: &mut Vec<u8>) {
 /// IPv6), `udp` the 8-byte UDP header, `transport` the BTH through the pad
 /// (without ICRC). On the wire it is stored as `value.to_le_bytes()`.
 pub fn compute(ip: &[u8], udp: &[u8], transport: &[u8]) -> u32 {
-    let mut buf = Vec::with_capacity(8 + ip.len() + 8 + 12);
-    buf.extend_from_slice(&[0xFF; 8]);
-    match ip.first().map(|b| b >> 4) {
-        Some(6) => mask_ipv6(ip, &mut buf),
-        _ => mask_ipv4(ip, &mut buf),
-    }
-    let u = buf.len();
-    buf.extend_from_slice(udp);
-    buf[u + 6] = 0xFF; // UDP checksum
-    buf[u + 7] = 0xFF;
-    let b = buf.len();
-    buf.extend_from_slice(&transport[..transport.len().min(12)]);
-    if buf.len() > b + 4 {
-        buf[b + 4] = 0xFF; // BTH FECN | BECN | resv6a
-    }
+    // Masked copies of the headers on the stack (IPv4 options make it up to 60 B).
     let mut h = crc32fast::Hasher::new();
-    h.update(&buf);
+    h.update(&[0xFF; 8]);
+    let mut iph = [0u8; 60];
+    let n = ip.len().min(60);
+    iph[..n].copy_from_slice(&ip[..n]);
+    match ip.first().map(|b| b >> 4) {
+        Some(6) if n >= 40 => mask_ipv6(&mut iph[..n]),
+        _ if n >= 12 => mask_ipv4(&mut iph[..n]),
+        _ => {}
+    }
+    h.update(&iph[..n]);
+    let mut u = [0u8; 8];
+    let un = udp.len().min(8);
+    u[..un].copy_from_slice(&udp[..un]);
+    u[6] = 0xFF; // UDP checksum
+    u[7] = 0xFF;
+    h.update(&u);
+    let tn = transport.len().min(12);
+    let mut t = [0u8; 12];
+    t[..tn].copy_from_slice(&transport[..tn]);
+    if tn > 4 {
+        t[4] = 0xFF; // BTH FECN | BECN | resv6a
+    }
+    h.update(&t[..tn]);
     if transport.len() > 12 {
         h.update(&transport[12..]);
     }
@@ -102,10 +104,12 @@ impl Ipv4IdSolver {
         transport: &[u8],
         wire_icrc: u32,
     ) -> Option<u16> {
-        let mut h = ip.to_vec();
+        let mut h = [0u8; 60];
+        let n = ip.len().min(60);
+        h[..n].copy_from_slice(&ip[..n]);
         h[4] = 0;
         h[5] = 0;
-        let c0 = compute(&h, udp, transport);
+        let c0 = compute(&h[..n], udp, transport);
         // Bytes after the Identification field: rest of the IP header (from
         // offset 6), UDP header, transport bytes.
         let after = (ip.len() - 6) + udp.len() + transport.len();

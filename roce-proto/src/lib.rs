@@ -23,6 +23,7 @@ pub use memory::{Atomic, MemError, Memory, Need, VecMemory};
 pub use opcode::Opcode;
 pub use packet::{Aeth, AtomicEth, Bth, DecodeError, NakCode, Packet, Reth, Syndrome};
 pub use qp::{
-    Completion, Qp, QpConfig, QpError, QpState, QpStats, WcOpcode, WcStatus, WorkRequest,
+    Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, WcOpcode, WcStatus,
+    WorkRequest,
 };
 pub use wire::{FrameError, FramePath, IcrcMismatch, RoceFrame, ROCEV2_PORT};

@@ -265,7 +265,9 @@ struct SendWqe {
     first_psn: u32,
     /// PSNs the request occupies (READ: one per response packet).
     npkts: u32,
-    read_buf: BytesMut,
+    /// READ data so far (taken from the QP's buffer source on the first response).
+    read_buf: Vec<u8>,
+    read_len: usize,
     read_next: u32,
     /// PSN of the READ request currently answering (a resumed read starts later).
     round_start: u32,
@@ -329,10 +331,34 @@ enum Resource {
     },
 }
 
+/// Where READ data is gathered: `take(len)` gives a buffer of at least `len`
+/// bytes, `freeze(buf, len)` hands its first `len` bytes to the user. A
+/// transport plugs in a pool so large reads do not fault in fresh pages.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadBuffers {
+    /// A buffer of at least `len` initialised bytes.
+    pub take: fn(usize) -> Vec<u8>,
+    /// The first `len` bytes as `Bytes`.
+    pub freeze: fn(Vec<u8>, usize) -> Bytes,
+}
+
+impl Default for ReadBuffers {
+    fn default() -> Self {
+        ReadBuffers {
+            take: |len| vec![0; len],
+            freeze: |mut v, len| {
+                v.truncate(len);
+                Bytes::from(v)
+            },
+        }
+    }
+}
+
 /// An RC queue pair.
 #[derive(Debug)]
 pub struct Qp {
     cfg: QpConfig,
+    read_buffers: ReadBuffers,
     state: QpState,
     local_qpn: u32,
     remote_qpn: u32,
@@ -397,6 +423,7 @@ impl Qp {
     pub fn new(cfg: QpConfig, local_qpn: u32) -> Qp {
         Qp {
             cfg,
+            read_buffers: ReadBuffers::default(),
             state: QpState::Reset,
             local_qpn,
             remote_qpn: 0,
@@ -453,6 +480,11 @@ impl Qp {
         }
         self.cfg.pmtu = pmtu;
         Ok(())
+    }
+
+    /// Gather READ data in buffers from `b` (e.g. a pool) instead of fresh allocations.
+    pub fn set_read_buffers(&mut self, b: ReadBuffers) {
+        self.read_buffers = b;
     }
 
     /// Loss recovery: selective repeat (both ends must be rdmx engines that
@@ -557,7 +589,8 @@ impl Qp {
             wr,
             first_psn,
             npkts,
-            read_buf: BytesMut::new(),
+            read_buf: Vec::new(),
+            read_len: 0,
             read_next: first_psn,
             round_start: first_psn,
             done: None,
@@ -974,7 +1007,7 @@ impl Qp {
                 WorkRequest::Atomic { .. } => 8,
             };
             if matches!(w.wr, WorkRequest::Read { .. }) {
-                c.data = w.read_buf.freeze();
+                c.data = (self.read_buffers.freeze)(w.read_buf, w.read_len);
             }
             self.completions.push_back(c);
         }
@@ -1166,7 +1199,12 @@ impl Qp {
             self.stats.dropped += 1;
             return;
         }
-        w.read_buf.extend_from_slice(&pkt.payload);
+        if w.read_buf.len() < len as usize {
+            w.read_buf = (self.read_buffers.take)(len as usize);
+        }
+        let at = w.read_len;
+        w.read_buf[at..at + pkt.payload.len()].copy_from_slice(&pkt.payload);
+        w.read_len += pkt.payload.len();
         w.read_next = psn::add(p, 1);
         w.gap_asked = false;
         // Responses acknowledge their own PSNs (IBTA 9.7.5.1.3): the window moves.

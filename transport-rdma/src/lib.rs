@@ -21,8 +21,8 @@
 #![deny(unsafe_code)]
 
 mod conn;
-mod fdwait;
 pub mod soft;
+mod sys;
 pub mod verbs;
 
 use std::net::SocketAddr;

@@ -391,7 +391,7 @@ impl CqWaiter {
         let fd = cq
             .event_fd()
             .try_clone_to_owned()
-            .and_then(crate::fdwait::register)
+            .and_then(crate::sys::register_fd)
             .map_err(|e| rdmx_core::Error::ResourceExhausted(format!("CQ event fd: {e}")))?;
         Ok(CqWaiter { cq, fd })
     }

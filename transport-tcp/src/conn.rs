@@ -24,7 +24,7 @@ use crate::frame::{
     Header, Kind, OutFrame, FLAG_FAA, FLAG_IMM, FLAG_LAST, HEADER_LEN, MAX_PIECE, STATUS_OK,
 };
 use crate::handshake::{Agreed, Limits};
-use crate::pool;
+use rdmx_core::pool;
 
 /// Frames carried by one `writev`.
 const MAX_IOV: usize = 64;

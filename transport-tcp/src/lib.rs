@@ -29,7 +29,6 @@
 mod conn;
 pub mod frame;
 pub mod handshake;
-mod pool;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -70,6 +70,10 @@ pub struct SoftConfig {
     pub selective_repeat: bool,
     /// Socket receive buffer to ask for (the kernel caps it at `net.core.rmem_max`).
     pub recv_buffer: usize,
+    /// Receive queues (sockets sharing the port; packets steered by QPN).
+    pub rx_queues: usize,
+    /// Unacknowledged packets a QP may have in flight (256 × 4 KiB = 1 MiB).
+    pub window: u32,
 }
 
 impl Default for SoftConfig {
@@ -83,6 +87,8 @@ impl Default for SoftConfig {
             dcqcn: Some(DcqcnConfig::default()),
             selective_repeat: true,
             recv_buffer: 16 << 20,
+            rx_queues: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+            window: 256,
         }
     }
 }
@@ -135,8 +141,7 @@ struct Capture {
 pub(crate) struct Device {
     cfg: SoftConfig,
     handle: tokio::runtime::Handle,
-    rx: UdpSocket,
-    rx_state: UdpSocketState,
+    rx: Vec<RxQueue>,
     port: u16,
     qps: RwLock<HashMap<u32, Arc<SoftQp>>>,
     next_qpn: AtomicU32,
@@ -145,6 +150,7 @@ pub(crate) struct Device {
     timer_target: AtomicU64,
     counters: Counters,
     capture: Mutex<Option<Capture>>,
+    capturing: std::sync::atomic::AtomicBool,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
@@ -196,8 +202,14 @@ impl Drop for SoftRoce {
     }
 }
 
-fn bind_rx(cfg: &SoftConfig) -> io::Result<std::net::UdpSocket> {
-    let try_bind = |port: u16| -> io::Result<std::net::UdpSocket> {
+/// Bind the receive queues: `cfg.rx_queues` sockets sharing one port through
+/// SO_REUSEPORT, which the kernel spreads by flow hash like a NIC's RSS (each
+/// QP's packets always land in the same queue). The port is first probed
+/// without SO_REUSEPORT, so a port another device (or program) holds is never
+/// joined: the device falls back to a free port instead.
+fn bind_rx(cfg: &SoftConfig) -> io::Result<Vec<std::net::UdpSocket>> {
+    let queues = cfg.rx_queues.clamp(1, 16);
+    let bind = |port: u16, reuse: bool| -> io::Result<std::net::UdpSocket> {
         let addr = SocketAddr::new(cfg.bind, port);
         let s = socket2::Socket::new(
             socket2::Domain::for_address(addr),
@@ -207,20 +219,52 @@ fn bind_rx(cfg: &SoftConfig) -> io::Result<std::net::UdpSocket> {
         if cfg.bind.is_ipv6() {
             s.set_only_v6(false)?;
         }
+        if reuse {
+            s.set_reuse_port(true)?;
+        }
         s.bind(&addr.into())?;
+        s.set_nonblocking(true)?;
         Ok(s.into())
     };
-    match try_bind(cfg.port) {
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse && cfg.port_fallback && cfg.port != 0 => {
-            warn!(
-                port = cfg.port,
-                "soft RoCE: UDP port in use (another soft device on this host?); using a free port, \
-                 which rdmx peers learn at connect (real NICs need {ROCEV2_PORT})"
-            );
-            try_bind(0)
+    let port = if cfg.port == 0 {
+        0
+    } else {
+        match bind(cfg.port, false) {
+            Ok(probe) => {
+                drop(probe);
+                cfg.port
+            }
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && cfg.port_fallback => {
+                warn!(
+                    port = cfg.port,
+                    "soft RoCE: UDP port in use (another soft device on this host?); using a free \
+                     port, which rdmx peers learn at connect (real NICs need {ROCEV2_PORT})"
+                );
+                0
+            }
+            Err(e) => return Err(e),
         }
-        r => r,
+    };
+    let first = bind(port, queues > 1)?;
+    let port = first.local_addr()?.port();
+    let mut all = vec![first];
+    for _ in 1..queues {
+        all.push(bind(port, true)?);
     }
+    if queues > 1 {
+        // RSS by destination QP: each QP's packets always reach the same queue,
+        // and a connection's two QPs (consecutive numbers) different ones.
+        if let Err(e) = crate::sys::steer_by_qpn(&all[0], queues as u32) {
+            debug!("soft RoCE: no QP steering ({e}); the kernel's flow hash spreads packets");
+        }
+    }
+    Ok(all)
+}
+
+/// One receive queue.
+struct RxQueue {
+    sock: UdpSocket,
+    state: UdpSocketState,
 }
 
 impl SoftRoce {
@@ -235,10 +279,7 @@ impl SoftRoce {
         let std_rx = bind_rx(&cfg).map_err(|e| {
             Error::RdmaUnavailable(format!("soft RoCE cannot bind UDP {}: {e}", cfg.port))
         })?;
-        std_rx
-            .set_nonblocking(true)
-            .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
-        let port = std_rx
+        let port = std_rx[0]
             .local_addr()
             .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?
             .port();
@@ -247,22 +288,22 @@ impl SoftRoce {
                 "the soft RoCE device runs on a tokio runtime; start it inside one".into(),
             )
         })?;
-        let (rx, rx_state) = {
+        let mut rx = Vec::new();
+        {
             let _g = handle.enter();
-            let rx_state = UdpSocketState::new((&std_rx).into())
-                .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
-            let _ = rx_state.set_recv_buffer_size((&std_rx).into(), cfg.recv_buffer);
-            let _ = rx_state.set_send_buffer_size((&std_rx).into(), 4 << 20);
-            let rx = UdpSocket::from_std(std_rx)
-                .map_err(|e| Error::RdmaUnavailable(format!("soft RoCE socket: {e}")))?;
-            (rx, rx_state)
-        };
+            let e = |e: io::Error| Error::RdmaUnavailable(format!("soft RoCE socket: {e}"));
+            for s in std_rx {
+                let state = UdpSocketState::new((&s).into()).map_err(e)?;
+                let _ = state.set_recv_buffer_size((&s).into(), cfg.recv_buffer);
+                let sock = UdpSocket::from_std(s).map_err(e)?;
+                rx.push(RxQueue { sock, state });
+            }
+        }
         let first_qpn = rand::random_range(0x100..0x80_0000u32);
         let dev = Arc::new(Device {
             cfg,
             handle: handle.clone(),
             rx,
-            rx_state,
             port,
             qps: RwLock::new(HashMap::new()),
             next_qpn: AtomicU32::new(first_qpn),
@@ -271,11 +312,14 @@ impl SoftRoce {
             timer_target: AtomicU64::new(u64::MAX),
             counters: Counters::default(),
             capture: Mutex::new(None),
+            capturing: std::sync::atomic::AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
-        let rx = handle.spawn(rx_loop(dev.clone())).abort_handle();
-        let timer = handle.spawn(timer_loop(dev.clone())).abort_handle();
-        dev.tasks.lock().extend([rx, timer]);
+        let mut tasks = vec![handle.spawn(timer_loop(dev.clone())).abort_handle()];
+        for q in 0..dev.rx.len() {
+            tasks.push(handle.spawn(rx_loop(dev.clone(), q)).abort_handle());
+        }
+        dev.tasks.lock().extend(tasks);
         debug!(port, "soft RoCE device started");
         Ok(SoftRoce { dev })
     }
@@ -332,11 +376,13 @@ impl SoftRoce {
         let writer = CaptureWriter::new(std::io::BufWriter::new(f))
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
         *self.dev.capture.lock() = Some(Capture { writer, frames: 0 });
+        self.dev.capturing.store(true, Ordering::Release);
         Ok(())
     }
 
     /// Stop capturing; returns the number of frames written.
     pub fn stop_capture(&self) -> u64 {
+        self.dev.capturing.store(false, Ordering::Release);
         match self.dev.capture.lock().take() {
             Some(c) => {
                 let frames = c.frames;
@@ -413,9 +459,14 @@ impl ProtectionDomain for SoftPd {
             rnr_retry: opts.rnr_retry,
             max_rd_atomic: opts.max_rd_atomic,
             dcqcn: dev.cfg.dcqcn,
+            max_unacked: dev.cfg.window,
             ..QpConfig::default()
         };
         let mut engine = Qp::new(cfg, qpn);
+        engine.set_read_buffers(rdmx_roce_proto::ReadBuffers {
+            take: rdmx_core::pool::take,
+            freeze: rdmx_core::pool::freeze,
+        });
         engine
             .to_init()
             .map_err(|e| Error::Protocol(format!("soft QP: {e}")))?;
@@ -558,10 +609,15 @@ fn work_completion(qpn: u32, c: Completion) -> WorkCompletion {
 /// The IP and UDP headers a packet travels with, as the ICRC sees them
 /// (rocev2-reference §9). IPv4: Identification 0 and DF; a UDP socket cannot
 /// choose the Identification, so receivers recover it ([`Ipv4IdSolver`]).
-fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (Vec<u8>, [u8; 8]) {
-    let ip = match (src.ip(), dst.ip()) {
+fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (IpHeader, [u8; 8]) {
+    let mut ip = IpHeader {
+        bytes: [0u8; 40],
+        len: 40,
+    };
+    match (src.ip(), dst.ip()) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let mut h = vec![0u8; 20];
+            ip.len = 20;
+            let h = &mut ip.bytes;
             h[0] = 0x45;
             h[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
             h[6] = 0x40;
@@ -569,28 +625,39 @@ fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (Vec<u8>, [u8; 8
             h[9] = 17;
             h[12..16].copy_from_slice(&s.octets());
             h[16..20].copy_from_slice(&d.octets());
-            h
         }
         (s, d) => {
             let v6 = |a: IpAddr| match a {
                 IpAddr::V6(a) => a,
                 IpAddr::V4(a) => a.to_ipv6_mapped(),
             };
-            let mut h = vec![0u8; 40];
+            let h = &mut ip.bytes;
             h[0] = 0x60;
             h[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
             h[6] = 17;
             h[7] = 64;
             h[8..24].copy_from_slice(&v6(s).octets());
             h[24..40].copy_from_slice(&v6(d).octets());
-            h
         }
-    };
+    }
     let mut udp = [0u8; 8];
     udp[0..2].copy_from_slice(&src.port().to_be_bytes());
     udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
     udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
     (ip, udp)
+}
+
+/// An IPv4 (20 B) or IPv6 (40 B) header built on the stack.
+struct IpHeader {
+    bytes: [u8; 40],
+    len: usize,
+}
+
+impl std::ops::Deref for IpHeader {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
 }
 
 /// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`.
@@ -665,7 +732,7 @@ impl SoftQp {
                 let start = inner.out.len();
                 encode(p, tx.local, peer.addr, &mut inner.out);
                 inner.segs.push(inner.out.len() - start);
-                if self.dev.capture.lock().is_some() {
+                if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
                     self.dev.record(tx.local, peer.addr, p, ecn);
                 }
@@ -997,21 +1064,22 @@ const RX_BATCH: usize = 32;
 const RX_BUF: usize = 64 * 1024;
 
 /// Receive loop: GRO/recvmmsg batches → verify ICRC → engine → pump touched QPs.
-async fn rx_loop(d: Arc<Device>) {
+async fn rx_loop(d: Arc<Device>, queue: usize) {
+    let rx = &d.rx[queue];
     let mut bufs: Vec<Vec<u8>> = (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect();
     let mut metas = vec![RecvMeta::default(); RX_BATCH];
     let mut solver = Ipv4IdSolver::new();
     let mut touched: Vec<Arc<SoftQp>> = Vec::new();
     loop {
-        if d.rx.readable().await.is_err() {
+        if rx.sock.readable().await.is_err() {
             return;
         }
         loop {
             let r = {
                 let mut iovs: Vec<IoSliceMut<'_>> =
                     bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
-                d.rx.try_io(Interest::READABLE, || {
-                    d.rx_state.recv((&d.rx).into(), &mut iovs, &mut metas)
+                rx.sock.try_io(Interest::READABLE, || {
+                    rx.state.recv((&rx.sock).into(), &mut iovs, &mut metas)
                 })
             };
             let n = match r {
@@ -1082,14 +1150,17 @@ fn handle_datagram(
     if ce {
         c.ce_marked.fetch_add(1, Ordering::Relaxed);
     }
-    let Some(qp) = d.qps.read().get(&pkt.bth.dest_qp).cloned() else {
+    let qpn = pkt.bth.dest_qp;
+    if let Some(qp) = touched.iter().find(|q| q.qpn == qpn) {
+        qp.receive(now, from, &pkt, ce);
+        return;
+    }
+    let Some(qp) = d.qps.read().get(&qpn).cloned() else {
         c.unknown_qp.fetch_add(1, Ordering::Relaxed);
         return;
     };
     qp.receive(now, from, &pkt, ce);
-    if !touched.iter().any(|q| q.qpn == qp.qpn) {
-        touched.push(qp);
-    }
+    touched.push(qp);
 }
 
 /// Timer loop: ACK timeouts, RNR waits and DCQCN pacing of every QP.

@@ -1,4 +1,4 @@
-//! Recycled receive buffers for large payloads.
+//! Recycled receive buffers for large payloads (shared by the transports).
 //!
 //! A fresh multi-megabyte allocation per received message costs page faults and
 //! page zeroing on every receive (they dominated profiles of 1 MiB transfers).
@@ -30,7 +30,7 @@ fn class_of(len: usize) -> Option<usize> {
 }
 
 /// A buffer of at least `len` initialised bytes, from the pool when possible.
-pub(crate) fn take(len: usize) -> Vec<u8> {
+pub fn take(len: usize) -> Vec<u8> {
     if let Some(c) = class_of(len) {
         if let Some(v) = classes()[c].lock().pop() {
             return v;
@@ -70,12 +70,12 @@ impl Drop for Pooled {
 
 /// The first `len` bytes of `buf` as [`Bytes`]; `buf` returns to the pool when
 /// the last clone is dropped.
-pub(crate) fn freeze(buf: Vec<u8>, len: usize) -> Bytes {
+pub fn freeze(buf: Vec<u8>, len: usize) -> Bytes {
     Bytes::from_owner(Pooled { buf, len })
 }
 
 /// A copy of `data` in a pooled buffer (plain allocation when small).
-pub(crate) fn copy(data: &[u8]) -> Bytes {
+pub fn copy(data: &[u8]) -> Bytes {
     if data.len() < MIN_CLASS {
         return Bytes::copy_from_slice(data);
     }

@@ -3,6 +3,8 @@
 //! * `rdmx perf` — perftest-style latency and bandwidth for any transport,
 //!   against a peer (`server` / `client URL`) or on this host (`--loopback`).
 //! * `rdmx pcap check` — verify every RoCEv2 packet of a capture.
+//! * `rdmx soak` — a checked write/read/send mix over a path, with goodput
+//!   and protocol counters (retransmits, NAKs, CNPs).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
@@ -11,6 +13,7 @@ mod pcap;
 mod perf;
 mod plot;
 mod raw;
+mod soak;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +31,8 @@ enum Cmd {
     Perf(Box<perf::PerfArgs>),
     /// Inspect RoCEv2 captures.
     Pcap(pcap::PcapArgs),
+    /// Move a checked mix of writes, reads and sends over a path; report goodput.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -51,6 +56,7 @@ fn main() -> std::process::ExitCode {
             match cli.cmd {
                 Cmd::Perf(a) => perf::run(*a).await,
                 Cmd::Pcap(a) => pcap::run(a),
+                Cmd::Soak(a) => soak::run(a).await,
             }
         })
         .await

@@ -387,6 +387,8 @@ pub struct Qp {
     rq: VecDeque<RecvWqe>,
     open: Option<OpenMessage>,
     nak_sent: bool,
+    /// Selective repeat: packets kept out of order since the last NAK.
+    since_nak: u32,
     /// Selective repeat: packets that arrived ahead of ePSN, executed in order
     /// once the gap fills.
     ooo: std::collections::BTreeMap<u32, Packet>,
@@ -400,6 +402,11 @@ pub struct Qp {
     pace_blocked: bool,
     last_cnp_sent: Option<u64>,
 }
+
+/// NAK code of the rdmx selective NAK ("this PSN is missing"; nothing is
+/// acknowledged by it). IBTA reserves codes 5..=31; only sent to rdmx peers
+/// that negotiated selective repeat.
+const SR_HOLE: u8 = 0x1F;
 
 fn mem_nak(e: MemError) -> NakCode {
     match e {
@@ -445,6 +452,7 @@ impl Qp {
             rq: VecDeque::new(),
             open: None,
             nak_sent: false,
+            since_nak: 0,
             ooo: std::collections::BTreeMap::new(),
             resources: VecDeque::new(),
             pending_ack: None,
@@ -970,7 +978,11 @@ impl Qp {
         }
         self.retry_left -= 1;
         self.recover(self.una);
-        self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + t);
+        // Back off on consecutive timeouts (×2 each, up to ×64): a busy or
+        // briefly stalled peer is not declared dead within a few base
+        // timeouts. Purely local; nothing changes on the wire.
+        let used = u32::from(self.cfg.retry_cnt.saturating_sub(self.retry_left)).min(6);
+        self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + (t << used));
     }
 
     // ------------------------------------------------------------ completer
@@ -1090,7 +1102,10 @@ impl Qp {
                         // beyond a READ/atomic still in progress moves nothing but
                         // says nothing about the oldest request either. Only a NAK
                         // at our oldest unacknowledged PSN uses up a retry.
-                        if !self.nak_acks(now, p) && p == self.una {
+                        // Selective repeat: the responder repeats its NAK while a
+                        // gap lasts (a resend may be in flight), so NAKs are not
+                        // retries; the timer still bounds a dead peer.
+                        if !self.nak_acks(now, p) && p == self.una && !self.cfg.selective_repeat {
                             if self.retry_left == 0 {
                                 self.fail_front(WcStatus::RetryExceeded);
                                 return;
@@ -1098,6 +1113,13 @@ impl Qp {
                             self.retry_left -= 1;
                         }
                         self.recover(p);
+                    }
+                    Syndrome::Nak(NakCode::Other(SR_HOLE)) if self.cfg.selective_repeat => {
+                        // A hole the responder names: resend just that packet.
+                        self.stats.naks_received += 1;
+                        if psn::diff(p, self.una) > 0 {
+                            self.recover(p);
+                        }
                     }
                     Syndrome::Nak(code) => {
                         self.stats.naks_received += 1;
@@ -1289,12 +1311,23 @@ impl Qp {
                 if self.ooo.insert(pkt.bth.psn, pkt.clone()).is_none() {
                     self.stats.out_of_order_kept += 1;
                 }
+                // The gap persists while packets keep coming: say so again
+                // every 16 of them, in case the NAK or the resent packet was
+                // lost (TCP's duplicate ACKs do the same), instead of leaving
+                // it to the requester's timeout.
+                self.since_nak += 1;
+                if self.nak_sent && self.since_nak >= (self.cfg.max_unacked / 4).max(16) {
+                    // Repeat only the first hole; the others were named.
+                    self.since_nak = 0;
+                    self.send_nak(NakCode::PsnSequenceError, false);
+                }
             } else {
                 self.stats.dropped += 1;
             }
             if !self.nak_sent {
                 self.nak_sent = true;
-                self.send_nak(NakCode::PsnSequenceError, false);
+                self.since_nak = 0;
+                self.nak_gaps(32);
             }
             return;
         }
@@ -1324,9 +1357,56 @@ impl Qp {
             self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
         }
         if !self.ooo.is_empty() && self.state != QpState::Error {
-            // Another gap: say where at once.
+            // Another gap: say where at once, and name the next few holes
+            // again in case their resends were lost.
             self.nak_sent = true;
-            self.send_nak(NakCode::PsnSequenceError, false);
+            self.since_nak = 0;
+            self.nak_gaps(4);
+        }
+    }
+
+    /// NAK the first missing PSN (standard sequence-error NAK, which also
+    /// acknowledges everything before it). With selective repeat, also name
+    /// further missing PSNs (up to `max_holes`) below the highest one kept, with the rdmx
+    /// selective NAK (syndrome 0x60 | SR_HOLE, a code IBTA reserves; only
+    /// sent to peers that negotiated selective repeat), so one round trip
+    /// repairs every hole, as IRN's NACKs do.
+    fn nak_gaps(&mut self, max_holes: usize) {
+        self.send_nak(NakCode::PsnSequenceError, false);
+        if !self.cfg.selective_repeat {
+            return;
+        }
+        let epsn = self.epsn;
+        let pmtu = u64::from(self.cfg.pmtu);
+        // Kept packets in PSN order, each with the PSNs it occupies (a READ
+        // request one per response packet).
+        let mut kept: Vec<(i32, u32)> = self
+            .ooo
+            .values()
+            .map(|p| {
+                let span = match (p.bth.opcode, p.reth) {
+                    (Opcode::RDMA_READ_REQUEST, Some(r)) => {
+                        u64::from(r.dma_len).div_ceil(pmtu).max(1) as u32
+                    }
+                    _ => 1,
+                };
+                (psn::diff(p.bth.psn, epsn), span)
+            })
+            .collect();
+        kept.sort_unstable();
+        let mut next = 1i32; // epsn itself was NAKed above
+        let mut holes = Vec::new();
+        for (d, span) in kept {
+            while next < d && holes.len() < max_holes {
+                holes.push(psn::add(epsn, next as u32));
+                next += 1;
+            }
+            next = next.max(d + span as i32);
+        }
+        for p in holes {
+            self.stats.naks_sent += 1;
+            let hole = self.ack_packet(p, 0x60 | SR_HOLE);
+            self.resp_tx.push_back(hole);
         }
     }
 

@@ -430,7 +430,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     let local_ip = local_addr
         .map(|a| a.ip().to_canonical())
         .ok_or_else(|| Error::Connect("bootstrap socket has no local address".into()))?;
-    let port = provider.port_for(local_ip)?;
+    let port = provider.port_for(local_ip, peer_addr.ip())?;
     let pd = provider.alloc_pd(&domain)?;
     let cq = provider.create_cq(ours.credits as usize + max_inflight as usize)?;
     let qp = pd.create_qp(&cq, qp_opts)?;

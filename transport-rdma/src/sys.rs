@@ -1,7 +1,8 @@
-//! The crate's `unsafe` code, two small blocks: registering a completion-event
-//! fd with tokio's reactor, and steering received packets to receive queues by
-//! destination QP (a classic-BPF reuseport program, the RSS a NIC does in
-//! hardware). Each is exercised by the tests below and by every connection.
+//! The crate's `unsafe` code, three small blocks: registering a
+//! completion-event fd with tokio's reactor, steering received packets to
+//! receive queues by destination QP (a classic-BPF reuseport program, the RSS a
+//! NIC does in hardware), and reading the kernel's path MTU towards a peer.
+//! Each is exercised by the tests below and by every connection.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -101,6 +102,43 @@ pub(crate) fn steer_by_qpn(_sock: &impl AsRawFd, _queues: u32) -> io::Result<()>
     ))
 }
 
+/// The kernel's MTU for the route from `local` to `peer` (`IP_MTU` /
+/// `IPV6_MTU` on a connected UDP socket; no packet is sent).
+#[cfg(target_os = "linux")]
+pub(crate) fn path_mtu(local: std::net::IpAddr, peer: std::net::IpAddr) -> io::Result<u32> {
+    let sock = std::net::UdpSocket::bind((local, 0))?;
+    sock.connect((peer, 9))?;
+    let (level, name) = if peer.is_ipv4() {
+        (libc::IPPROTO_IP, libc::IP_MTU)
+    } else {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU)
+    };
+    let mut mtu: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `mtu` and `len` are valid, writable and sized for an int option;
+    // `sock` is an open socket for the duration of the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            level,
+            name,
+            (&mut mtu as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 && mtu > 0 {
+        Ok(mtu as u32)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Elsewhere: assume Ethernet.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn path_mtu(_local: std::net::IpAddr, _peer: std::net::IpAddr) -> io::Result<u32> {
+    Ok(1500)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +182,17 @@ mod tests {
                 .unwrap();
             assert_eq!(&buf[..n], &bth[..], "QPN {qpn:#x} went to the wrong queue");
         }
+    }
+
+    #[test]
+    fn loopback_path_mtu_is_the_lo_mtu() {
+        let lo: u32 = std::fs::read_to_string("/sys/class/net/lo/mtu")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let ip = "127.0.0.1".parse().unwrap();
+        assert_eq!(path_mtu(ip, ip).unwrap(), lo);
     }
 
     /// The event-fd registration works under a runtime (and fails cleanly on a

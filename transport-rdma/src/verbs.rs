@@ -359,8 +359,9 @@ pub trait Provider: Send + Sync + 'static {
     fn kind(&self) -> ProviderKind;
     /// Device name for people (`"soft-roce:4791"`, `"mlx5_0"`).
     fn device_name(&self) -> String;
-    /// Our address on the path to `peer` (GID, UDP port, MTU).
-    fn port_for(&self, local_ip: IpAddr) -> Result<PortInfo>;
+    /// Our address on the path from `local_ip` to `peer_ip` (GID, UDP port,
+    /// and the largest IBTA MTU the path carries).
+    fn port_for(&self, local_ip: IpAddr, peer_ip: IpAddr) -> Result<PortInfo>;
     /// Selective repeat supported (only rdmx engines; NICs do go-back-N).
     fn selective_repeat(&self) -> bool;
     /// A protection domain over `domain`'s regions.

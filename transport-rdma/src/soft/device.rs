@@ -74,6 +74,9 @@ pub struct SoftConfig {
     pub rx_queues: usize,
     /// Unacknowledged packets a QP may have in flight (256 × 4 KiB = 1 MiB).
     pub window: u32,
+    /// Cap on the local ACK timeout exponent (8: 1 ms): a software path
+    /// recovers a lost last packet faster than a NIC's default would.
+    pub max_ack_timeout: u8,
 }
 
 impl Default for SoftConfig {
@@ -89,6 +92,7 @@ impl Default for SoftConfig {
             recv_buffer: 16 << 20,
             rx_queues: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
             window: 256,
+            max_ack_timeout: 8,
         }
     }
 }
@@ -403,11 +407,26 @@ impl Provider for SoftRoce {
         format!("soft-roce:{}", self.dev.port)
     }
 
-    fn port_for(&self, local_ip: IpAddr) -> Result<PortInfo> {
+    fn port_for(&self, local_ip: IpAddr, peer_ip: IpAddr) -> Result<PortInfo> {
+        let (local, peer) = (local_ip.to_canonical(), peer_ip.to_canonical());
+        // The largest IBTA MTU whose biggest packet (IP + UDP + BTH + RETH +
+        // ImmDt + payload + ICRC) fits the route, like a NIC's active_mtu
+        // (1024 on a 1500-byte Ethernet, rocev2-reference §8).
+        let ip_hdr = if local.is_ipv4() && peer.is_ipv4() {
+            20
+        } else {
+            40
+        };
+        let link = crate::sys::path_mtu(local, peer).unwrap_or(1500);
+        let mtu = [4096u32, 2048, 1024, 512, 256]
+            .into_iter()
+            .filter(|&m| m <= self.dev.cfg.mtu)
+            .find(|&m| m + ip_hdr + 8 + 12 + 16 + 4 + 4 <= link)
+            .unwrap_or(256);
         Ok(PortInfo {
-            gid: local_ip.to_canonical(),
+            gid: local,
             udp_port: self.dev.port,
-            mtu: self.dev.cfg.mtu,
+            mtu,
         })
     }
 
@@ -454,7 +473,7 @@ impl ProtectionDomain for SoftPd {
         };
         let cfg = QpConfig {
             pmtu: dev.cfg.mtu,
-            timeout: opts.timeout,
+            timeout: opts.timeout.min(dev.cfg.max_ack_timeout),
             retry_cnt: opts.retry_cnt,
             rnr_retry: opts.rnr_retry,
             max_rd_atomic: opts.max_rd_atomic,

@@ -33,6 +33,9 @@ run rdmx_irq $RDMX perf --loopback --baseline raw-tcp --json --duration-ms $DUR 
 echo "rdmx perf (busy-poll mode, 8 B)" >&2
 run rdmx_poll $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100 --mode lat \
   --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
+echo "rdmx perf over soft RoCE (rdma transport)" >&2
+run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --duration-ms $DUR \
+  --iters $ITERS --op send,write,read,cas,faa --sizes 8,4k,32k,256k,1m --window 16
 $RDMX perf --loopback --baseline raw-tcp --duration-ms $DUR --iters $ITERS --op write,read \
   --sizes 8,512,4k,32k,256k,1m --svg bench/perf-tcp.svg > /dev/null 2>&1 || true
 
@@ -68,6 +71,51 @@ fabric() { # name, size
 echo "libfabric tcp" >&2
 fabric fi_pingpong_8 8
 fabric fi_pingpong_1m 1048576
+
+# Goodput under loss: two network namespaces joined by a veth pair
+# (198.18.0.0/15), nftables dropping a random share of UDP 4791 each way,
+# `rdmx soak` moving a checked 256 MiB write/read/send mix. Needs root and nft.
+if [ "$(id -u)" = 0 ] && need nft && need ip; then
+  echo "soft RoCE goodput under loss (netns)" >&2
+  NA=rdmxbencha NB=rdmxbenchb
+  cleanup() { ip netns del $NA 2>/dev/null || true; ip netns del $NB 2>/dev/null || true; }
+  trap cleanup EXIT
+  cleanup
+  ip netns add $NA && ip netns add $NB
+  ip link add rdmxbva type veth peer name rdmxbvb
+  ip link set rdmxbva netns $NA && ip link set rdmxbvb netns $NB
+  ip -n $NA addr add 198.18.1.1/24 dev rdmxbva && ip -n $NB addr add 198.18.1.2/24 dev rdmxbvb
+  for n in $NA $NB; do
+    ip -n $n link set lo up
+    ip netns exec $n nft add table inet rdmx
+    ip netns exec $n nft add chain inet rdmx input '{ type filter hook input priority 0 ; }'
+  done
+  # No GSO across the veth: nftables must see (and drop) single RoCE packets,
+  # not 64 KiB bursts of them.
+  ip -n $NA link set rdmxbva gso_max_segs 1 && ip -n $NB link set rdmxbvb gso_max_segs 1
+  ip -n $NA link set rdmxbva up && ip -n $NB link set rdmxbvb up
+  ip netns exec $NB $RDMX soak server --listen 198.18.1.2:7500 > /dev/null 2>&1 &
+  SOAK_RDMA=$!
+  ip netns exec $NB $RDMX soak server --transport tcp --listen 198.18.1.2:7501 > /dev/null 2>&1 &
+  SOAK_TCP=$!
+  sleep 0.5
+  BYTES=256m; [ -n "${QUICK:-}" ] && BYTES=32m
+  run soak_tcp_0 ip netns exec $NA $RDMX soak client tcp://198.18.1.2:7501 --bytes $BYTES --json
+  for permille in 0 1 10 50; do
+    for n in $NA $NB; do
+      ip netns exec $n nft flush chain inet rdmx input
+      [ $permille = 0 ] || ip netns exec $n nft add rule inet rdmx input udp dport 4791 numgen random mod 1000 '<' $permille drop
+    done
+    run soak_sr_$permille ip netns exec $NA $RDMX soak client rdma://198.18.1.2:7500 --bytes $BYTES --json
+    run soak_gbn_$permille ip netns exec $NA $RDMX soak client rdma://198.18.1.2:7500 --bytes $BYTES --json --go-back-n
+  done
+  kill $SOAK_RDMA $SOAK_TCP 2>/dev/null || true
+  wait $SOAK_RDMA $SOAK_TCP 2>/dev/null || true
+  cleanup
+  trap - EXIT
+else
+  echo "skipping the netns goodput runs (need root, ip and nft)" >&2
+fi
 
 REPORT=${BENCH_MD:-BENCHMARKS.md}
 python3 bench/report.py "$OUT" > "$REPORT"

@@ -96,6 +96,10 @@ fn setup(tag: &str) -> Option<Netns> {
             "dev",
             &vb,
         ],
+        // No GSO across the veth: nftables must see (and drop) single RoCE
+        // packets, not 64 KiB bursts of them.
+        vec!["ip", "-n", &ns.a, "link", "set", &va, "gso_max_segs", "1"],
+        vec!["ip", "-n", &ns.b, "link", "set", &vb, "gso_max_segs", "1"],
         vec!["ip", "-n", &ns.a, "link", "set", &va, "up"],
         vec!["ip", "-n", &ns.b, "link", "set", &vb, "up"],
         vec!["ip", "-n", &ns.a, "link", "set", "lo", "up"],

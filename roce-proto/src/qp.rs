@@ -276,6 +276,13 @@ struct SendWqe {
     sent_upto: u32,
     /// A READ already asked again in this round after a gap in its responses.
     gap_asked: bool,
+    /// Selective repeat: which response packets of a READ arrived.
+    read_got: Vec<bool>,
+    read_count: u32,
+    /// Selective repeat: one past the highest response index received, and
+    /// where `read_next` must reach before holes are asked for again.
+    read_hi: u32,
+    asked_upto: u32,
 }
 
 impl SendWqe {
@@ -380,6 +387,9 @@ pub struct Qp {
     rnr_until: Option<u64>,
     /// Selective repeat: single PSNs to resend before anything new.
     retx: VecDeque<u32>,
+    /// Selective repeat: READ response ranges to ask for again
+    /// (WQE first PSN, first and end packet index).
+    read_retx: VecDeque<(u32, u32, u32)>,
 
     // responder
     epsn: u32,
@@ -447,6 +457,7 @@ impl Qp {
             retry_deadline: None,
             rnr_until: None,
             retx: VecDeque::new(),
+            read_retx: VecDeque::new(),
             epsn: 0,
             msn: 0,
             rq: VecDeque::new(),
@@ -604,6 +615,10 @@ impl Qp {
             done: None,
             sent_upto: 0,
             gap_asked: false,
+            read_got: Vec::new(),
+            read_count: 0,
+            read_hi: 0,
+            asked_upto: 0,
         });
         Ok(())
     }
@@ -711,7 +726,8 @@ impl Qp {
         if idx < wqe.sent_upto {
             self.stats.retransmits += 1;
         } else {
-            wqe.sent_upto = idx + 1;
+            // A READ request covers its whole chunk of responses.
+            wqe.sent_upto = idx + advance;
         }
         self.tx_pkt += advance;
         if self.tx_pkt >= wqe.npkts {
@@ -733,6 +749,27 @@ impl Qp {
 
     /// Selective repeat: the next single packet to resend, if any.
     fn selective_resend(&mut self, now: u64) -> Option<Packet> {
+        while let Some((first, start, end)) = self.read_retx.pop_front() {
+            let Some(wi) = self
+                .sq
+                .iter()
+                .position(|w| w.done.is_none() && w.first_psn == first)
+            else {
+                continue;
+            };
+            let (mut pkt, _) = self.build_request(wi, start);
+            // Only the missing run: shorten the request (rdmx SR peers accept
+            // any sub-range of a READ they executed).
+            let pmtu = u64::from(self.cfg.pmtu);
+            if let (Some(r), WorkRequest::Read { len, .. }) = (pkt.reth.as_mut(), &self.sq[wi].wr) {
+                let from = u64::from(start) * pmtu;
+                r.dma_len = (u64::from(end - start) * pmtu).min(u64::from(*len) - from) as u32;
+            }
+            pkt.bth.ack_req = true;
+            self.account_sent(now, &pkt);
+            self.stats.retransmits += 1;
+            return Some(pkt);
+        }
         while let Some(p) = self.retx.pop_front() {
             if psn::diff(p, self.una) < 0 {
                 continue; // acknowledged meanwhile
@@ -861,6 +898,9 @@ impl Qp {
     /// of a SEND/WRITE (the responder kept what followed); go-back-N, and any
     /// READ/atomic, resend from there.
     fn recover(&mut self, psn: u32) {
+        if self.cfg.selective_repeat && self.ask_missing_responses(psn, u32::MAX) {
+            return;
+        }
         if self.cfg.selective_repeat {
             let single = self.sq.iter().any(|w| {
                 w.done.is_none()
@@ -1181,6 +1221,9 @@ impl Qp {
             self.stats.dropped += 1;
             return;
         };
+        if self.cfg.selective_repeat {
+            return self.read_response_sr(now, pkt, len);
+        }
         if p != w.read_next || psn::diff(p, w.first_psn) < 0 || psn::diff(p, w.last_psn()) > 0 {
             // Out of place: a gap (loss or reordering) or a late copy from an
             // earlier round of this read. A response well beyond the one
@@ -1238,6 +1281,137 @@ impl Qp {
         self.progress(now);
     }
 
+    /// Selective repeat: take a READ response wherever it falls in the front
+    /// READ, and ask again for just the holes below the highest one received.
+    fn read_response_sr(&mut self, now: u64, pkt: &Packet, len: u32) {
+        let p = pkt.bth.psn;
+        let pmtu = self.cfg.pmtu as usize;
+        let Some(i) = self.sq.iter().position(|w| w.done.is_none()) else {
+            return;
+        };
+        let w = &mut self.sq[i];
+        let d = psn::diff(p, w.first_psn);
+        if d < 0 || d >= w.npkts as i32 {
+            self.stats.dropped += 1;
+            return;
+        }
+        let idx = d as u32;
+        let is_last = idx + 1 == w.npkts;
+        let want_len = if is_last {
+            len as usize - idx as usize * pmtu
+        } else {
+            pmtu
+        };
+        let is_response = matches!(
+            pkt.bth.opcode,
+            Opcode::RDMA_READ_RESPONSE_FIRST
+                | Opcode::RDMA_READ_RESPONSE_MIDDLE
+                | Opcode::RDMA_READ_RESPONSE_LAST
+                | Opcode::RDMA_READ_RESPONSE_ONLY
+        );
+        if !is_response || pkt.payload.len() != want_len {
+            self.stats.dropped += 1;
+            return;
+        }
+        if w.read_got.is_empty() {
+            w.read_got = vec![false; w.npkts as usize];
+        }
+        if w.read_got[idx as usize] {
+            self.stats.duplicates += 1;
+            return;
+        }
+        if w.read_buf.len() < len as usize {
+            w.read_buf = (self.read_buffers.take)(len as usize);
+        }
+        let at = idx as usize * pmtu;
+        w.read_buf[at..at + want_len].copy_from_slice(&pkt.payload);
+        w.read_len += want_len;
+        w.read_got[idx as usize] = true;
+        w.read_count += 1;
+        w.read_hi = w.read_hi.max(idx + 1);
+        let mut n = psn::diff(w.read_next, w.first_psn) as u32;
+        let before = n;
+        while n < w.npkts && w.read_got[n as usize] {
+            n += 1;
+        }
+        w.read_next = psn::add(w.first_psn, n);
+        if n >= w.asked_upto {
+            w.gap_asked = false;
+        }
+        let holes = w.read_hi > n && !w.gap_asked;
+        let hi = w.read_hi;
+        if w.read_count == w.npkts {
+            w.done = Some((WcStatus::Success, None));
+            self.una = psn::add(w.last_psn(), 1);
+        } else {
+            self.una = w.read_next;
+            if holes {
+                let first = w.first_psn;
+                self.ask_missing_responses(first, hi);
+            }
+        }
+        if n != before || self.sq[i].done.is_some() {
+            self.progress(now);
+        }
+    }
+
+    /// Selective repeat: queue READ requests for the missing responses of the
+    /// front READ (if `psn` falls in it) below packet index `upto`, one per
+    /// missing run, each inside its original chunk; a chunk with nothing
+    /// received is asked for whole (its request itself may have been lost).
+    /// Returns false if the front WQE is not such a READ.
+    fn ask_missing_responses(&mut self, psn: u32, upto: u32) -> bool {
+        let c = self.cfg.max_unacked.max(1);
+        let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) else {
+            return false;
+        };
+        if !matches!(w.wr, WorkRequest::Read { .. })
+            || psn::diff(psn, w.first_psn) < 0
+            || psn::diff(psn, w.last_psn()) > 0
+        {
+            return false;
+        }
+        if w.read_got.is_empty() {
+            w.read_got = vec![false; w.npkts as usize];
+        }
+        let end = upto.min(w.sent_upto).min(w.npkts);
+        let mut idx = psn::diff(w.read_next, w.first_psn).max(0) as u32;
+        let mut runs = Vec::new();
+        while idx < end {
+            if w.read_got[idx as usize] {
+                idx += 1;
+                continue;
+            }
+            let chunk_start = idx / c * c;
+            let chunk_end = (chunk_start + c).min(w.npkts);
+            let untouched = !w.read_got[chunk_start as usize..chunk_end as usize]
+                .iter()
+                .any(|&g| g);
+            let (s, e) = if untouched {
+                (chunk_start, chunk_end)
+            } else {
+                let mut e = idx;
+                while e < chunk_end.min(end) && !w.read_got[e as usize] {
+                    e += 1;
+                }
+                (idx, e)
+            };
+            runs.push((w.first_psn, s, e));
+            idx = e.max(idx + 1);
+            if runs.len() == 32 {
+                break;
+            }
+        }
+        w.gap_asked = true;
+        w.asked_upto = end;
+        for r in runs {
+            if !self.read_retx.contains(&r) {
+                self.read_retx.push_back(r);
+            }
+        }
+        true
+    }
+
     /// Complete the oldest outstanding WQE with `status`, then go to ERROR.
     fn fail_front(&mut self, status: WcStatus) {
         if let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) {
@@ -1274,6 +1448,7 @@ impl Qp {
         self.rnr_until = None;
         self.pending_ack = None;
         self.retx.clear();
+        self.read_retx.clear();
         self.ooo.clear();
     }
 
@@ -1712,6 +1887,7 @@ impl Qp {
                 // tail that a resuming requester still misses: same R_Key,
                 // range inside the original, VA consistent with the PSN (§6).
                 let pmtu = u64::from(self.cfg.pmtu);
+                let sr = self.cfg.selective_repeat;
                 let ok = self.resources.iter().rev().any(|r| match *r {
                     Resource::Read {
                         first_psn,
@@ -1723,8 +1899,12 @@ impl Qp {
                             && k < npkts as i32
                             && orig.rkey == reth.rkey
                             && reth.va == orig.va + k as u64 * pmtu
-                            && reth.va + u64::from(reth.dma_len)
+                            && (reth.va + u64::from(reth.dma_len)
                                 == orig.va + u64::from(orig.dma_len)
+                                // Selective repeat asks again for just the
+                                // responses it misses: any sub-range.
+                                || (sr && reth.va + u64::from(reth.dma_len)
+                                    <= orig.va + u64::from(orig.dma_len)))
                     }
                     Resource::Atomic { .. } => false,
                 });

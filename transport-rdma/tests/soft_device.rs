@@ -1,0 +1,64 @@
+//! Soft device behaviour that the conformance suite cannot see: packets with a
+//! bad ICRC, for unknown QPs, or that do not decode are dropped and counted,
+//! and the connection they aim at keeps working with exact data.
+
+use std::net::UdpSocket;
+use std::sync::Arc;
+
+use rdmx_core::{Access, Options, Transport};
+use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_packets_are_dropped_and_counted() {
+    let dev = Arc::new(
+        SoftRoce::new(SoftConfig {
+            port: 0,
+            ..SoftConfig::default()
+        })
+        .unwrap(),
+    );
+    let rdma = RdmaTransport::with_provider(dev.clone());
+    let so = Options::default();
+    let mut l = rdma.listen("127.0.0.1:0", &so).await.unwrap();
+    let addr = l.local_addr().to_string();
+    let (c, s) = tokio::join!(rdma.connect(&addr, &Options::default()), l.accept());
+    let (c, _s) = (c.unwrap(), s.unwrap());
+    let mr = so.domain.register(4096, Access::ALL);
+    let qpn = |info: &str| {
+        // "soft-roce:PORT (QPN 0xA -> 0xB, ...)": the server's QPN is B for the client.
+        let arrow = info.split("-> 0x").nth(1).unwrap();
+        u32::from_str_radix(arrow.split(',').next().unwrap(), 16).unwrap()
+    };
+    let server_qpn = qpn(&c.info().provider);
+    let before = dev.stats();
+
+    // A well-formed RDMA WRITE to the server's QP and region, with a wrong ICRC.
+    let mut p = Packet::new(Bth::new(Opcode::RDMA_WRITE_ONLY, server_qpn, 0));
+    p.reth = Some(Reth {
+        va: mr.remote().addr,
+        rkey: mr.rkey(),
+        dma_len: 4,
+    });
+    p.payload = bytes::Bytes::from_static(b"evil");
+    p.finish();
+    let mut wire = Vec::new();
+    p.encode(&mut wire);
+    wire.extend_from_slice(&0xdead_beefu32.to_le_bytes());
+    let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to = ("127.0.0.1", dev.port());
+    tx.send_to(&wire, to).unwrap();
+    // Garbage, and a valid-looking packet for a QP that does not exist.
+    tx.send_to(&[0xFFu8; 40], to).unwrap();
+    tx.send_to(&[1u8, 2, 3], to).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let after = dev.stats();
+    assert!(after.icrc_errors >= before.icrc_errors + 2, "{after:?}");
+    assert!(after.malformed > before.malformed, "{after:?}");
+    assert_eq!(&mr.read()[..4], &[0u8; 4], "a bad packet was acted on");
+
+    // The connection is unaffected.
+    c.write(vec![7u8; 4096], mr.remote()).await.unwrap();
+    assert!(mr.read().iter().all(|&b| b == 7));
+    assert_eq!(&c.read(mr.remote()).await.unwrap()[..], &[7u8; 4096][..]);
+}

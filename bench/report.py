@@ -211,7 +211,9 @@ if sr[0]:
       "1 MiB operation at a time, between two network namespaces joined by a veth pair "
       "(MTU 1500, so RoCE path MTU 1024). nftables drops the given share of UDP 4791 packets "
       "in each direction. Selective repeat is rdmx's negotiated extension; go-back-N is what "
-      "NICs speak.\n")
+      "NICs speak. GSO is off on the veth so that nftables sees single packets; that costs "
+      "the TCP transport far more than soft RoCE (see the loopback tables for TCP at full "
+      "speed).\n")
     w(f"Commands: `{cmd('soak_sr_10')}` (selective repeat), `{cmd('soak_gbn_10')}` (go-back-N), "
       f"`{cmd('soak_tcp_0')}` (TCP transport, no loss).\n")
     w("| loss | mode | goodput MB/s | × own lossless | retransmits | NAKs |")

@@ -250,13 +250,26 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
     std::fs::create_dir_all(&dir).unwrap();
     let pcap = dir.join("perf.pcap");
     let out = rdmx()
-        .args(["perf", "--loopback", "--transport", "rdma", "--mode", "lat", "--iters", "20"])
+        .args([
+            "perf",
+            "--loopback",
+            "--transport",
+            "rdma",
+            "--mode",
+            "lat",
+            "--iters",
+            "20",
+        ])
         .args(["--op", "send,write,read,cas,faa", "--sizes", "8,9000"])
         .arg("--capture")
         .arg(&pcap)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("soft-roce"));
     let check = rdmx().args(["pcap", "check"]).arg(&pcap).output().unwrap();
     assert!(
@@ -265,12 +278,19 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    let ours: Vec<(u8, u32, u32)> = rdmx_roce_proto::pcap::read_capture(std::fs::File::open(&pcap).unwrap())
-        .unwrap()
-        .iter()
-        .filter_map(|c| rdmx_roce_proto::RoceFrame::parse(&c.data).ok().flatten())
-        .map(|f| (f.packet.bth.opcode.0, f.packet.bth.dest_qp, f.packet.bth.psn))
-        .collect();
+    let ours: Vec<(u8, u32, u32)> =
+        rdmx_roce_proto::pcap::read_capture(std::fs::File::open(&pcap).unwrap())
+            .unwrap()
+            .iter()
+            .filter_map(|c| rdmx_roce_proto::RoceFrame::parse(&c.data).ok().flatten())
+            .map(|f| {
+                (
+                    f.packet.bth.opcode.0,
+                    f.packet.bth.dest_qp,
+                    f.packet.bth.psn,
+                )
+            })
+            .collect();
     assert!(ours.len() > 200, "{} frames", ours.len());
     let ops: std::collections::HashSet<u8> = ours.iter().map(|o| o.0).collect();
     for want in [0x04u8, 0x0A, 0x0C, 0x10, 0x11, 0x12, 0x13, 0x14] {
@@ -285,7 +305,14 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
     let out = Command::new("tshark")
         .arg("-r")
         .arg(&pcap)
-        .args(["-T", "fields", "-E", "separator=;", "-e", "infiniband.bth.opcode"])
+        .args([
+            "-T",
+            "fields",
+            "-E",
+            "separator=;",
+            "-e",
+            "infiniband.bth.opcode",
+        ])
         .args(["-e", "infiniband.bth.destqp", "-e", "infiniband.bth.psn"])
         .output()
         .unwrap();

@@ -609,11 +609,14 @@ async fn drive(
             }
             m = ctl.recv() => match m {
                 Some(Ok(Ctl::Close)) => {
+                    // Deliver what arrived before the close first.
+                    sh.drain_cq();
                     sh.die(Error::Disconnected("peer closed the connection".into()));
                     return;
                 }
                 Some(Ok(m)) => sh.on_ctl(m),
                 Some(Err(e)) => {
+                    sh.drain_cq();
                     let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
                         "peer went away (control connection closed)".to_string()
                     } else {

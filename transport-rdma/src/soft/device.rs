@@ -717,22 +717,23 @@ impl SoftQp {
     /// Move the engine forward: send what it has (in order, under the lock),
     /// hand completions to the CQ, re-arm the timer.
     fn pump(self: &Arc<Self>) {
+        let mut g = self.inner.lock();
+        let inner = &mut *g;
         let mut wcs = Vec::new();
-        {
-            let mut g = self.inner.lock();
-            let inner = &mut *g;
-            while let Some(c) = inner.qp.poll_completion() {
-                wcs.push(work_completion(self.qpn, c));
-            }
-            if inner.backlog.is_empty() {
-                self.transmit(inner);
-            }
-            self.update_deadline(inner);
-            self.count(inner.qp.stats());
+        while let Some(c) = inner.qp.poll_completion() {
+            wcs.push(work_completion(self.qpn, c));
         }
+        // Completions before the packets that acknowledge them: a peer that
+        // sees our ACK may act on it (even close) before we would otherwise
+        // have published the receive it acknowledges.
         if !wcs.is_empty() {
             self.cq.push(wcs);
         }
+        if inner.backlog.is_empty() {
+            self.transmit(inner);
+        }
+        self.update_deadline(inner);
+        self.count(inner.qp.stats());
     }
 
     fn transmit(self: &Arc<Self>, inner: &mut Inner) {

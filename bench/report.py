@@ -229,6 +229,29 @@ if sr[0]:
                   f"{r['retransmits']} | {r['naks']} |")
     w("")
 
+rpc = rdmx("rpc_bench")
+if rpc:
+    w("## RPC: rdmx-rpc against tonic\n")
+    w("Unary echo (the body comes back), one connection, `concurrency` calls in flight. "
+      "rdmx-rpc bodies above 64 KiB travel by rendezvous (one-sided read). tonic runs with "
+      "TCP_NODELAY on both ends; `tonic/rdmx-*` is the unmodified tonic service and client "
+      "over an rdmx connection (`rdmx-rpc-tonic`).\n")
+    w(f"Command: `{cmd('rpc_bench')}`\n")
+    w("| system | size | concurrency | QPS | p50 µs | p99 µs | MB/s |")
+    w("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rpc:
+        w(f"| {r['system']} | {r['size']} | {r['concurrency']} | {f(r['qps'], 0)} | {f(r['p50_us'])} | "
+          f"{f(r['p99_us'])} | {f(r['mb_per_s'], 1)} |")
+    w("")
+
+
+def rpc_point(system, size, conc):
+    for r in rpc:
+        if r["system"] == system and r["size"] == size and r["concurrency"] == conc:
+            return r
+    return None
+
+
 w("## Targets (issue 3), checked by the script\n")
 w("| target | measured | met |")
 w("|---|---|---|")
@@ -244,6 +267,22 @@ if sr[0] and sr[10]:
            f"{f(x)} × (go-back-N: {f(g)} ×; retransmits SR {sr[10]['retransmits']} vs GBN {gbn[10]['retransmits'] if gbn[10] else '—'})",
            x >= 0.8)
 w("")
+if rpc:
+    w("## Targets (issue 5), checked by the script\n")
+    w("| target | measured | met |")
+    w("|---|---|---|")
+    for conc in (1, 64):
+        a, b = rpc_point("rdmx-rpc/tcp", 64, conc), rpc_point("tonic/tcp", 64, conc)
+        if a and b:
+            x = a["qps"] / b["qps"]
+            target(f"64 B, {conc} in flight: rdmx-rpc/tcp ≥ 3 × tonic QPS, lower p99",
+                   f"{f(x)} × QPS; p99 {f(a['p99_us'])} vs {f(b['p99_us'])} µs",
+                   x >= 3 and a["p99_us"] < b["p99_us"])
+        a, b = rpc_point("rdmx-rpc/tcp", 1048576, conc), rpc_point("tonic/tcp", 1048576, conc)
+        if a and b:
+            target(f"1 MiB, {conc} in flight: rdmx-rpc/tcp throughput ≥ tonic's",
+                   f"{f(a['mb_per_s'], 1)} vs {f(b['mb_per_s'], 1)} MB/s", a["mb_per_s"] >= b["mb_per_s"])
+    w("")
 w("![latency and bandwidth against size](bench/perf-tcp.svg)\n")
 w("`bench/perf-tcp.svg` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg bench/perf-tcp.svg` in the same run.\n")
 print("\n".join(o))

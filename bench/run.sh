@@ -72,6 +72,11 @@ echo "libfabric tcp" >&2
 fabric fi_pingpong_8 8
 fabric fi_pingpong_1m 1048576
 
+echo "RPC: rdmx-rpc and tonic, over TCP and soft RoCE" >&2
+cargo build --release -q -p rdmx-rpc-tonic --example rpc_bench
+if [ -n "${QUICK:-}" ]; then RPCDUR=100; else RPCDUR=1000; fi
+run rpc_bench target/release/examples/rpc_bench --duration-ms $RPCDUR
+
 # Goodput under loss: two network namespaces joined by a veth pair
 # (198.18.0.0/15), nftables dropping a random share of UDP 4791 each way,
 # `rdmx soak` moving a checked 256 MiB write/read/send mix. Needs root and nft.

@@ -75,7 +75,13 @@ fn parse_size(s: &str) -> Result<u64, Error> {
         .map_err(|_| Error::InvalidArgument(format!("bad size {s:?}")))
 }
 
-fn transports(go_back_n: bool) -> Result<(Transports, Arc<SoftRoce>), Error> {
+/// The transports; a soft RoCE device only if this run uses RDMA (so a TCP
+/// soak never takes UDP 4791 from an RDMA one on the same host).
+fn transports(go_back_n: bool, rdma: bool) -> Result<(Transports, Option<Arc<SoftRoce>>), Error> {
+    let ts = Transports::new().with(rdmx_transport_tcp::TcpTransport::new());
+    if !rdma {
+        return Ok((ts, None));
+    }
     let dev = if go_back_n {
         Arc::new(SoftRoce::new(SoftConfig {
             selective_repeat: false,
@@ -84,10 +90,10 @@ fn transports(go_back_n: bool) -> Result<(Transports, Arc<SoftRoce>), Error> {
     } else {
         SoftRoce::global()?
     };
-    let ts = Transports::new()
-        .with(rdmx_transport_tcp::TcpTransport::new())
-        .with(RdmaTransport::with_provider(dev.clone()));
-    Ok((ts, dev))
+    Ok((
+        ts.with(RdmaTransport::with_provider(dev.clone())),
+        Some(dev),
+    ))
 }
 
 /// Deterministic test data for operation `i`.
@@ -105,7 +111,11 @@ fn data(i: u64, len: usize) -> Bytes {
 }
 
 pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
-    let (ts, dev) = transports(a.go_back_n)?;
+    let rdma = match a.role.as_str() {
+        "server" => a.transport != "tcp",
+        _ => a.url.as_deref().is_some_and(|u| !u.starts_with("tcp://")),
+    };
+    let (ts, dev) = transports(a.go_back_n, rdma)?;
     let opts = Options::default();
     match a.role.as_str() {
         "server" => {
@@ -129,10 +139,10 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
                 .as_deref()
                 .ok_or_else(|| Error::InvalidArgument("client needs a URL".into()))?;
             let conn = ts.connect(url, &opts).await?;
-            let before = dev.stats().ce_marked;
+            let before = dev.as_ref().map_or(0, |d| d.stats().ce_marked);
             let mut report = client(&conn, parse_size(&a.bytes)?, parse_size(&a.chunk)?).await?;
-            if report.transport == "rdma" {
-                report.ce_marked = dev.stats().ce_marked - before;
+            if let Some(d) = &dev {
+                report.ce_marked = d.stats().ce_marked - before;
             }
             if a.json {
                 println!(

@@ -77,6 +77,12 @@ pub struct SoftConfig {
     /// Cap on the local ACK timeout exponent (8: 1 ms): a software path
     /// recovers a lost last packet faster than a NIC's default would.
     pub max_ack_timeout: u8,
+    /// Exact IPv4 ICRCs for NIC peers: send IPv4 through a raw socket with our
+    /// own header (needs CAP_NET_RAW; no GSO batching). Without it the kernel
+    /// picks the IPv4 Identification after the ICRC was computed (with 0): rdmx
+    /// receivers recover it, NICs would drop the packet. IPv6 is always exact.
+    /// Default: on if `RDMX_SOFT_EXACT_IPV4=1`.
+    pub exact_ipv4: bool,
 }
 
 impl Default for SoftConfig {
@@ -93,6 +99,7 @@ impl Default for SoftConfig {
             rx_queues: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
             window: 256,
             max_ack_timeout: 8,
+            exact_ipv4: std::env::var("RDMX_SOFT_EXACT_IPV4").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -523,6 +530,8 @@ struct Tx {
     sock: UdpSocket,
     state: UdpSocketState,
     local: SocketAddr,
+    /// Exact IPv4 mode (see [`SoftConfig::exact_ipv4`]).
+    raw: Option<RawTx>,
 }
 
 struct Inner {
@@ -628,7 +637,7 @@ fn work_completion(qpn: u32, c: Completion) -> WorkCompletion {
 /// The IP and UDP headers a packet travels with, as the ICRC sees them
 /// (rocev2-reference §9). IPv4: Identification 0 and DF; a UDP socket cannot
 /// choose the Identification, so receivers recover it ([`Ipv4IdSolver`]).
-fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (IpHeader, [u8; 8]) {
+fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize, id: u16) -> (IpHeader, [u8; 8]) {
     let mut ip = IpHeader {
         bytes: [0u8; 40],
         len: 40,
@@ -639,6 +648,7 @@ fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize) -> (IpHeader, [u8; 
             let h = &mut ip.bytes;
             h[0] = 0x45;
             h[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+            h[4..6].copy_from_slice(&id.to_be_bytes());
             h[6] = 0x40;
             h[8] = 64;
             h[9] = 17;
@@ -679,14 +689,69 @@ impl std::ops::Deref for IpHeader {
     }
 }
 
-/// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`.
-fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, out: &mut Vec<u8>) {
+/// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`, its ICRC
+/// computed for an IPv4 Identification of `id`.
+fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, id: u16, out: &mut Vec<u8>) {
     let start = out.len();
     pkt.encode(out);
     let t_len = out.len() - start;
-    let (ip, udp) = headers(src, dst, 8 + t_len + 4);
+    let (ip, udp) = headers(src, dst, 8 + t_len + 4, id);
     let crc = icrc::compute(&ip, &udp, &out[start..]);
     out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Exact IPv4 sending: our own IP header through a raw socket (IPPROTO_RAW,
+/// send-only, header included), so the Identification the ICRC covers is the
+/// one on the wire. Needs CAP_NET_RAW.
+struct RawTx {
+    sock: socket2::Socket,
+    next_id: std::sync::atomic::AtomicU16,
+}
+
+impl RawTx {
+    fn new() -> io::Result<RawTx> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::RAW,
+            Some(socket2::Protocol::from(libc::IPPROTO_RAW)),
+        )?;
+        sock.set_nonblocking(true)?;
+        Ok(RawTx {
+            sock,
+            next_id: std::sync::atomic::AtomicU16::new(rand::random::<u16>() | 1),
+        })
+    }
+
+    /// A nonzero Identification (the kernel replaces 0 with its own).
+    fn id(&self) -> u16 {
+        loop {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+
+    /// Send one RoCEv2 UDP payload (BTH … ICRC) with header Identification `id`.
+    fn send(
+        &self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        id: u16,
+        ecn: u8,
+        payload: &[u8],
+    ) -> io::Result<()> {
+        let (mut ip, udp) = headers(src, dst, 8 + payload.len(), id);
+        ip.bytes[1] = ecn & 3;
+        let sum = rdmx_roce_proto::wire::ipv4_checksum(&ip);
+        ip.bytes[10..12].copy_from_slice(&sum.to_be_bytes());
+        let mut d = Vec::with_capacity(28 + payload.len());
+        d.extend_from_slice(&ip);
+        d.extend_from_slice(&udp);
+        d.extend_from_slice(payload);
+        let to = SocketAddr::new(dst.ip(), 0);
+        self.sock.send_to(&d, &to.into()).map(|_| ())
+    }
 }
 
 /// Send one transmit. Only a full socket buffer is an error: other send errors
@@ -743,6 +808,32 @@ impl SoftQp {
             return;
         };
         let now = self.dev.now();
+        if let Some(raw) = &tx.raw {
+            let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
+            while let Some(p) = inner.qp.poll_transmit(now) {
+                let id = raw.id();
+                inner.out.clear();
+                encode(&p, tx.local, peer.addr, id, &mut inner.out);
+                if self.dev.capturing.load(Ordering::Relaxed) {
+                    self.dev.record(tx.local, peer.addr, &p, ecn);
+                }
+                let c = &self.dev.counters;
+                match raw.send(tx.local, peer.addr, id, ecn, &inner.out) {
+                    Ok(()) => {
+                        c.tx_packets.fetch_add(1, Ordering::Relaxed);
+                        c.tx_bytes
+                            .fetch_add(inner.out.len() as u64, Ordering::Relaxed);
+                    }
+                    // A full raw socket loses the packet, as a full link would;
+                    // RC recovery resends it.
+                    Err(e) => {
+                        c.tx_blocked.fetch_add(1, Ordering::Relaxed);
+                        debug!("soft RoCE raw send: {e}");
+                    }
+                }
+            }
+            return;
+        }
         let max_segs = tx.state.max_gso_segments().clamp(1, 64);
         inner.out.clear();
         inner.segs.clear();
@@ -750,7 +841,7 @@ impl SoftQp {
             let pkt = inner.qp.poll_transmit(now);
             if let Some(p) = &pkt {
                 let start = inner.out.len();
-                encode(p, tx.local, peer.addr, &mut inner.out);
+                encode(p, tx.local, peer.addr, 0, &mut inner.out);
                 inner.segs.push(inner.out.len() - start);
                 if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
@@ -1011,7 +1102,26 @@ impl QueuePair for SoftQpHandle {
                 .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
             let sock = UdpSocket::from_std(std_tx)
                 .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
-            Tx { sock, state, local }
+            let raw = match (
+                qp.dev.cfg.exact_ipv4,
+                local.ip(),
+                peer.addr.ip().to_canonical(),
+            ) {
+                (true, IpAddr::V4(_), IpAddr::V4(_)) => match RawTx::new() {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        warn!("soft RoCE: exact IPv4 needs CAP_NET_RAW ({e}); sending through UDP");
+                        None
+                    }
+                },
+                _ => None,
+            };
+            Tx {
+                sock,
+                state,
+                local,
+                raw,
+            }
         };
         let mut g = qp.inner.lock();
         g.qp.set_pmtu(peer.mtu).map_err(qp_err)?;
@@ -1149,7 +1259,7 @@ fn handle_datagram(
     let to = SocketAddr::new(to_ip, d.port);
     // ICRC first: a packet that fails it is dropped and counted, never acted on
     // (rocev2-reference §9).
-    let (ip, udp) = headers(from, to, dgram.len() + 8);
+    let (ip, udp) = headers(from, to, dgram.len() + 8, 0);
     let ok = if from.is_ipv4() && to.is_ipv4() {
         solver.solve(&ip, &udp, t, wire).is_some()
     } else {

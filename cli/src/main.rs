@@ -3,12 +3,14 @@
 //! * `rdmx perf` — perftest-style latency and bandwidth for any transport,
 //!   against a peer (`server` / `client URL`) or on this host (`--loopback`).
 //! * `rdmx pcap check` — verify every RoCEv2 packet of a capture.
+//! * `rdmx doctor` — RDMA devices, GIDs, limits and settings, with advice.
 //! * `rdmx soak` — a checked write/read/send mix over a path, with goodput
 //!   and protocol counters (retransmits, NAKs, CNPs).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod doctor;
 mod pcap;
 mod perf;
 mod plot;
@@ -33,6 +35,8 @@ enum Cmd {
     Pcap(pcap::PcapArgs),
     /// Move a checked mix of writes, reads and sends over a path; report goodput.
     Soak(soak::SoakArgs),
+    /// Report this host's RDMA devices, GIDs, limits and settings, with advice.
+    Doctor(doctor::DoctorArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -57,6 +61,7 @@ fn main() -> std::process::ExitCode {
                 Cmd::Perf(a) => perf::run(*a).await,
                 Cmd::Pcap(a) => pcap::run(a),
                 Cmd::Soak(a) => soak::run(a).await,
+                Cmd::Doctor(a) => doctor::run(a),
             }
         })
         .await

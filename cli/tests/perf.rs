@@ -335,3 +335,46 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
     assert_eq!(theirs, ours, "tshark and rdmx disagree on the capture");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `rdmx doctor --json` on a fake sysfs tree: the device, its v2 GID and a
+/// troubling counter appear, with advice.
+#[test]
+fn doctor_reads_a_fake_sysfs_tree() {
+    use rdmx_transport_rdma::sysfs::fake::{counter, port};
+    let root = std::env::temp_dir().join(format!("rdmx-doctor-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    port(
+        &root,
+        "rxe0",
+        1,
+        "4: ACTIVE",
+        "Ethernet",
+        "4096 (5)",
+        &[(
+            1,
+            "0000:0000:0000:0000:0000:ffff:c612:0001",
+            "RoCE v2",
+            "veth0",
+        )],
+    );
+    counter(&root, "rxe0", 1, true, "out_of_sequence", 5);
+    let out = rdmx()
+        .args(["doctor", "--json", "--sysfs"])
+        .arg(&root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["devices"][0]["name"], "rxe0");
+    assert_eq!(j["devices"][0]["ports"][0]["gids"][0]["addr"], "198.18.0.1");
+    assert_eq!(j["devices"][0]["ports"][0]["gids"][0]["kind"], "RoceV2");
+    let findings = j["findings"].as_array().unwrap();
+    assert!(findings
+        .iter()
+        .any(|f| f["what"].as_str().unwrap().contains("out_of_sequence = 5")));
+    let _ = std::fs::remove_dir_all(&root);
+}

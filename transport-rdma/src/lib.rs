@@ -7,6 +7,8 @@
 //! - [`verbs`]: the provider trait (PD, MR, CQ with an event fd, RC QP).
 //! - [`soft`]: the userspace RoCEv2 provider over UDP port 4791 — it runs on any
 //!   host, wire-compatible with NICs.
+//! - [`sysfs`]: RDMA devices, ports and GID tables as the kernel lists them,
+//!   and the RoCEv2 GID choice for a connection.
 //!
 //! ```no_run
 //! # async fn demo() -> rdmx_core::Result<()> {
@@ -23,6 +25,7 @@
 mod conn;
 pub mod soft;
 mod sys;
+pub mod sysfs;
 pub mod verbs;
 
 use std::net::SocketAddr;

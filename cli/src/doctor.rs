@@ -1,0 +1,347 @@
+//! `rdmx doctor`: what this host offers rdmx, for a person (or `--json`).
+//! RDMA devices, ports, GIDs, which provider a connection would use and why,
+//! memlock, ECN/DCQCN settings, the port counters that reveal fabric trouble,
+//! and for each finding one line of advice.
+
+use std::path::{Path, PathBuf};
+
+use rdmx_core::Error;
+use rdmx_transport_rdma::sysfs::{self, Device, GidKind};
+use serde::Serialize;
+
+/// Arguments of `rdmx doctor`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct DoctorArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Root of sysfs (tests use fake trees).
+    #[arg(long, default_value = "/sys")]
+    sysfs: PathBuf,
+    /// Root of procfs.
+    #[arg(long, default_value = "/proc")]
+    procfs: PathBuf,
+}
+
+/// One thing worth knowing, with advice.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub(crate) struct Finding {
+    /// "ok", "warn" or "info".
+    pub(crate) level: &'static str,
+    /// What was found.
+    pub(crate) what: String,
+    /// What to do about it.
+    pub(crate) advice: String,
+}
+
+/// Everything `rdmx doctor` reports.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report {
+    pub(crate) devices: Vec<Device>,
+    pub(crate) provider: String,
+    pub(crate) memlock_bytes: Option<u64>,
+    pub(crate) rmem_max: Option<u64>,
+    pub(crate) findings: Vec<Finding>,
+}
+
+fn read(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// The soft "Max locked memory" limit from `<proc>/self/limits` (None: unlimited/unknown).
+fn memlock(procfs: &Path) -> Option<u64> {
+    let limits = read(&procfs.join("self/limits"))?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Counters that reveal fabric trouble, and what they mean.
+const TROUBLE: &[(&str, &str)] = &[
+    (
+        "out_of_sequence",
+        "packets arrived out of order or were lost: check for drops (PFC off? buffers?)",
+    ),
+    (
+        "packet_seq_err",
+        "PSN sequence errors NAKed: loss on the path",
+    ),
+    (
+        "local_ack_timeout_err",
+        "ACK timeouts: loss, a wrong GID/route, or an overloaded peer",
+    ),
+    (
+        "rnr_nak_retry_err",
+        "the receiver had no receive buffers posted in time",
+    ),
+    (
+        "implied_nak_seq_err",
+        "READ/atomic responses missing: loss on the path",
+    ),
+    (
+        "np_cnp_sent",
+        "this host's receivers saw ECN marks (congestion); DCQCN is acting",
+    ),
+    (
+        "rp_cnp_handled",
+        "this host's senders were told to slow down (DCQCN rate cuts)",
+    ),
+];
+
+/// Build the report from `sysfs` and `procfs` roots.
+pub(crate) fn report(sysfs_root: &Path, procfs: &Path) -> Report {
+    let devices = sysfs::devices(sysfs_root);
+    let mut findings = Vec::new();
+    let mut f = |level, what: String, advice: &str| {
+        findings.push(Finding {
+            level,
+            what,
+            advice: advice.to_string(),
+        })
+    };
+    let provider = if devices.is_empty() {
+        f(
+            "info",
+            "no RDMA devices".into(),
+            "rdma:// runs on rdmx's soft RoCE provider (userspace RoCEv2 over UDP 4791); \
+             policy `prefer` falls back to TCP only if that fails",
+        );
+        "soft-roce (no RDMA devices on this host)".to_string()
+    } else {
+        f(
+            "info",
+            format!("{} RDMA device(s)", devices.len()),
+            "this build has no NIC provider yet (the `hw` feature); rdma:// uses soft RoCE",
+        );
+        "soft-roce (NIC provider not built in)".to_string()
+    };
+    for d in &devices {
+        for p in &d.ports {
+            let name = format!("{} port {}", d.name, p.num);
+            if !p.is_active() {
+                f(
+                    "warn",
+                    format!("{name} is {}", p.state),
+                    "bring the link up (cable, switch port, `ip link set ... up`)",
+                );
+                continue;
+            }
+            if !p.link_layer.eq_ignore_ascii_case("Ethernet") {
+                f(
+                    "info",
+                    format!("{name} is {} (not RoCE)", p.link_layer),
+                    "rdmx's RoCE path needs an Ethernet port",
+                );
+                continue;
+            }
+            let v2 = p.gids.iter().filter(|g| g.kind == GidKind::RoceV2).count();
+            if v2 == 0 {
+                f(
+                    "warn",
+                    format!("{name} has no RoCE v2 GID"),
+                    "assign an IP address to its net device; RoCE v1 GIDs are not routable",
+                );
+            }
+            if let Some(m) = p.active_mtu {
+                if m < 4096 {
+                    f(
+                        "info",
+                        format!("{name} active MTU {m}"),
+                        "raise the Ethernet MTU (≥ 4200 for RoCE MTU 4096) for large transfers",
+                    );
+                }
+            }
+            for (c, meaning) in TROUBLE {
+                if let Some((_, v)) = p.counters.iter().find(|(n, v)| n == c && *v > 0) {
+                    f("warn", format!("{name}: {c} = {v}"), meaning);
+                }
+            }
+            let mut netdevs: Vec<&str> =
+                p.gids.iter().filter_map(|g| g.netdev.as_deref()).collect();
+            netdevs.sort_unstable();
+            netdevs.dedup();
+            for nd in netdevs {
+                for (side, what) in [
+                    ("roce_np", "CNP generation"),
+                    ("roce_rp", "DCQCN rate control"),
+                ] {
+                    let dir = sysfs_root.join(format!("class/net/{nd}/ecn/{side}/enable"));
+                    let on: Vec<String> = std::fs::read_dir(&dir)
+                        .map(|r| {
+                            r.flatten()
+                                .filter(|e| read(&e.path()).as_deref() == Some("1"))
+                                .map(|e| e.file_name().to_string_lossy().into_owned())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    if dir.exists() && on.is_empty() {
+                        f("warn", format!("{nd}: {what} ({side}) is off on every priority"), "enable it for the RoCE priority: echo 1 > .../ecn/{side}/enable/<prio>");
+                    }
+                }
+            }
+        }
+    }
+    let memlock_bytes = memlock(procfs);
+    if let Some(m) = memlock_bytes {
+        if !devices.is_empty() && m < 64 << 20 {
+            f(
+                "warn",
+                format!("memlock limit is {} KiB", m >> 10),
+                "NIC memory registration pins pages: raise it (ulimit -l unlimited, or LimitMEMLOCK= in the unit)",
+            );
+        }
+    }
+    let rmem_max = read(&procfs.join("sys/net/core/rmem_max")).and_then(|s| s.parse().ok());
+    if let Some(r) = rmem_max {
+        if r < 8 << 20 {
+            f(
+                "warn",
+                format!("net.core.rmem_max is {} KiB", r >> 10),
+                "soft RoCE asks for 16 MiB socket receive buffers; the kernel caps them here: sysctl -w net.core.rmem_max=16777216",
+            );
+        }
+    }
+    Report {
+        devices,
+        provider,
+        memlock_bytes,
+        rmem_max,
+        findings,
+    }
+}
+
+pub(crate) fn run(a: DoctorArgs) -> Result<(), Error> {
+    let r = report(&a.sysfs, &a.procfs);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).map_err(|e| Error::Protocol(e.to_string()))?
+        );
+        return Ok(());
+    }
+    println!("provider a connection would use: {}", r.provider);
+    for d in &r.devices {
+        for p in &d.ports {
+            println!(
+                "{} port {}: {}, {}, active MTU {}",
+                d.name,
+                p.num,
+                p.state,
+                p.link_layer,
+                p.active_mtu.map_or("?".into(), |m| m.to_string())
+            );
+            for g in &p.gids {
+                println!(
+                    "  GID[{}] {} {:?}{}",
+                    g.index,
+                    g.addr,
+                    g.kind,
+                    g.netdev
+                        .as_deref()
+                        .map(|n| format!(" on {n}"))
+                        .unwrap_or_default()
+                );
+            }
+        }
+    }
+    match r.memlock_bytes {
+        Some(m) => println!("memlock limit: {} KiB", m >> 10),
+        None => println!("memlock limit: unlimited"),
+    }
+    for f in &r.findings {
+        println!("[{}] {}\n       -> {}", f.level, f.what, f.advice);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmx_transport_rdma::sysfs::fake::{counter, port};
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("rdmx-doctor-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn proc_tree(root: &Path, memlock_kib: u64, rmem: u64) {
+        std::fs::create_dir_all(root.join("self")).unwrap();
+        std::fs::create_dir_all(root.join("sys/net/core")).unwrap();
+        std::fs::write(
+            root.join("self/limits"),
+            format!(
+                "Limit                     Soft Limit           Hard Limit           Units\n\
+                 Max locked memory         {} {} bytes\n",
+                memlock_kib << 10,
+                memlock_kib << 10
+            ),
+        )
+        .unwrap();
+        std::fs::write(root.join("sys/net/core/rmem_max"), format!("{rmem}\n")).unwrap();
+    }
+
+    #[test]
+    fn a_host_without_rdma_names_the_fallback() {
+        let (s, p) = (tmp("s0"), tmp("p0"));
+        proc_tree(&p, 8192, 212_992);
+        let r = report(&s, &p);
+        assert!(r.devices.is_empty());
+        assert!(r.provider.contains("no RDMA devices"));
+        assert!(r
+            .findings
+            .iter()
+            .any(|f| f.what == "no RDMA devices" && f.advice.contains("UDP 4791")));
+        assert!(
+            r.findings.iter().any(|f| f.what.contains("rmem_max")),
+            "{:?}",
+            r.findings
+        );
+        assert!(
+            !r.findings.iter().any(|f| f.what.contains("memlock")),
+            "memlock only matters with a NIC"
+        );
+    }
+
+    #[test]
+    fn a_troubled_nic_gets_advice() {
+        let (s, p) = (tmp("s1"), tmp("p1"));
+        proc_tree(&p, 64, 16 << 20);
+        port(
+            &s,
+            "mlx5_0",
+            1,
+            "4: ACTIVE",
+            "Ethernet",
+            "1024 (3)",
+            &[(
+                0,
+                "fe80:0000:0000:0000:0a00:27ff:fe12:3456",
+                "IB/RoCE v1",
+                "eth0",
+            )],
+        );
+        port(&s, "mlx5_1", 1, "1: DOWN", "Ethernet", "4096 (5)", &[]);
+        counter(&s, "mlx5_0", 1, true, "local_ack_timeout_err", 12);
+        counter(&s, "mlx5_0", 1, true, "np_cnp_sent", 0);
+        std::fs::create_dir_all(s.join("class/net/eth0/ecn/roce_np/enable")).unwrap();
+        std::fs::write(s.join("class/net/eth0/ecn/roce_np/enable/3"), "0\n").unwrap();
+        let r = report(&s, &p);
+        let has = |w: &str| r.findings.iter().any(|f| f.what.contains(w));
+        assert!(has("mlx5_1 port 1 is 1: DOWN"));
+        assert!(has("no RoCE v2 GID"));
+        assert!(has("active MTU 1024"));
+        assert!(has("local_ack_timeout_err = 12"));
+        assert!(!has("np_cnp_sent"), "zero counters are not findings");
+        assert!(has("CNP generation (roce_np) is off"));
+        assert!(has("memlock limit is 64 KiB"));
+        assert!(!has("rmem_max"));
+        // JSON serialises.
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["devices"].as_array().unwrap().len(), 2);
+    }
+}

@@ -173,16 +173,26 @@ const REVOKED_MEMORY: usize = 65_536;
 struct RegionMem {
     /// Backing store; `u64` elements give 8-byte alignment for atomics.
     words: Box<[u64]>,
+    /// Read-only regions lent from the caller's `Bytes` (no copy); copied into
+    /// `words` the first time the owner writes locally.
+    frozen: Option<Bytes>,
     len: usize,
     revoked: bool,
 }
 
 impl RegionMem {
     fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+        match &self.frozen {
+            Some(b) => &b[..self.len],
+            None => &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len],
+        }
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
         let len = self.len;
+        if let Some(b) = self.frozen.take() {
+            self.words = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+            bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len].copy_from_slice(&b[..len]);
+        }
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len]
     }
 }
@@ -265,8 +275,30 @@ impl Domain {
         mr
     }
 
+    /// Lend `data` for remote reads without copying it: the region is
+    /// REMOTE_READ only (writes and atomics by peers are refused) and keeps
+    /// `data` alive until deregistered. A later local write through
+    /// [`MemoryRegion::write`] copies it first (the caller's `Bytes` never
+    /// changes). What RPC rendezvous uses for large bodies.
+    pub fn register_bytes(&self, data: Bytes) -> MemoryRegion {
+        let len = data.len();
+        let addr = data.as_ptr() as u64;
+        self.register_mem(Box::new([]), Some(data), len, Access::REMOTE_READ, addr)
+    }
+
     fn register_words(&self, words: Box<[u64]>, len: usize, access: Access) -> MemoryRegion {
         let addr = words.as_ptr() as u64;
+        self.register_mem(words, None, len, access, addr)
+    }
+
+    fn register_mem(
+        &self,
+        words: Box<[u64]>,
+        frozen: Option<Bytes>,
+        len: usize,
+        access: Access,
+        addr: u64,
+    ) -> MemoryRegion {
         let mut table = self.inner.table.write();
         let rkey = loop {
             let k: u32 = rand::random();
@@ -281,6 +313,7 @@ impl Domain {
             access,
             mem: RwLock::new(RegionMem {
                 words,
+                frozen,
                 len,
                 revoked: false,
             }),
@@ -840,5 +873,37 @@ mod tests {
                 proptest::prop_assert_eq!(res, Err(AccessError::OutOfBounds));
             }
         }
+    }
+
+    /// `register_bytes` lends the caller's buffer without copying it, for
+    /// remote reads only; a local write copies first and leaves it untouched.
+    #[test]
+    fn registered_bytes_are_lent_read_only() {
+        let d = Domain::new();
+        let data = Bytes::from((0..10_000u32).map(|i| i as u8).collect::<Vec<u8>>());
+        let mr = d.register_bytes(data.clone());
+        assert_eq!(mr.read().as_ptr(), data.as_ptr(), "no copy");
+        let r = mr.remote();
+        assert_eq!(r.addr, data.as_ptr() as u64);
+        assert_eq!(
+            d.remote_read(r.rkey, r.addr, r.len, 0, r.len).unwrap(),
+            data
+        );
+        assert_eq!(
+            d.remote_write(r.rkey, r.addr, 4, 0, b"evil"),
+            Err(AccessError::Permission)
+        );
+        assert_eq!(
+            d.remote_atomic(r.rkey, r.addr, AtomicOp::FetchAndAdd { add: 1 }),
+            Err(AccessError::Permission)
+        );
+        mr.write()[..4].copy_from_slice(b"mine");
+        assert_eq!(&mr.read()[..4], b"mine");
+        assert_eq!(data[..4], [0, 1, 2, 3], "the lent Bytes never change");
+        mr.deregister();
+        assert_eq!(
+            d.remote_read(r.rkey, r.addr, 4, 0, 4),
+            Err(AccessError::Revoked)
+        );
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes};
 use parking_lot::Mutex;
-use rdmx_core::{Access, Connection, MemoryRegion, Options, RemoteRegion, Transports};
+use rdmx_core::{Connection, MemoryRegion, Options, RemoteRegion, Transports};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{oneshot, Semaphore};
@@ -204,11 +204,8 @@ impl Client {
             req.deadline_ms = left.as_millis().clamp(1, u128::from(u32::MAX)) as u32;
         }
         if body.len() > inner.threshold {
-            // Rendezvous: lend the body; the server pulls it with a read.
-            let mr = inner
-                .conn
-                .domain()
-                .register_from(&body, Access::REMOTE_READ);
+            // Rendezvous: lend the body (no copy); the server pulls it with a read.
+            let mr = inner.conn.domain().register_bytes(body);
             req.flags = FLAG_RENDEZVOUS;
             req.body = Bytes::copy_from_slice(&mr.remote().to_bytes());
             inner.lent.lock().insert(call, mr);

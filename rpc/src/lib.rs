@@ -22,8 +22,9 @@
 //!   cancelled on the server too. Application errors ([`RpcError::App`]) and
 //!   system errors (transport, deadline, overload, ...) are distinct variants.
 //! - Bodies above a threshold (64 KiB by default) travel by rendezvous: the
-//!   sender registers them and the receiver pulls them with one one-sided READ
-//!   (UCX's GET protocol), over RDMA or TCP's emulated path alike.
+//!   sender lends its `Bytes` to its domain without copying
+//!   (`Domain::register_bytes`) and the receiver pulls them with one one-sided
+//!   READ (UCX's GET protocol), over RDMA or TCP's emulated path alike.
 //! - [`Pool`] reuses and reconnects clients; [`Server::shutdown`] drains.
 //! - `tracing` spans per call and [`RpcStats`] (calls, errors, bytes, latency).
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
-use rdmx_core::{Access, Connection, Listener, MemoryRegion, RemoteRegion};
+use rdmx_core::{Connection, Listener, MemoryRegion, RemoteRegion};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
@@ -378,9 +378,10 @@ async fn run_call(
     };
     match out {
         Ok(body) if body.len() > opts.rendezvous_threshold => {
-            // Large answer: the client pulls it with a one-sided read, then
-            // releases it; unpulled ones are dropped after `rendezvous_hold`.
-            let mr = conn.domain().register_from(&body, Access::REMOTE_READ);
+            // Large answer: lent without a copy; the client pulls it with a
+            // one-sided read, then releases it; unpulled ones are dropped after
+            // `rendezvous_hold`.
+            let mr = conn.domain().register_bytes(body);
             resp.flags = FLAG_RENDEZVOUS;
             resp.body = Bytes::copy_from_slice(&mr.remote().to_bytes());
             held.lock().insert(frame.call, mr);

@@ -284,3 +284,52 @@ macro_rules! cases {
 
 cases!(tcp, rdmx_transport_tcp::TcpTransport::new());
 cases!(soft_roce, rdmx_transport_rdma::RdmaTransport::new());
+
+/// A pooled client whose connection died is replaced on the next `get`.
+async fn pool_reconnects<T: Transport + Clone>(t: T, scheme: &str) {
+    let (c, _, _, _) = pair(&t, ServerOptions::default()).await;
+    let addr = c.connection().info().peer_addr.unwrap();
+    let pool = rdmx_rpc::Pool::new(
+        rdmx_core::Transports::new().with(t),
+        &format!("{scheme}://{addr}"),
+        Options::default(),
+        "kv",
+        2,
+        METHODS,
+        1,
+    );
+    let first = pool.get().await.unwrap();
+    let n: u64 = first.call("len", &vec![0u8; 3]).await.unwrap();
+    assert_eq!(n, 3);
+    let first_local = first.connection().info().local_addr;
+    first.connection().close().await.unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let c = pool.get().await.unwrap();
+        match c.call::<_, u64>("len", &vec![0u8; 4]).await {
+            Ok(n) => {
+                assert_eq!(n, 4);
+                assert_ne!(
+                    c.connection().info().local_addr,
+                    first_local,
+                    "a new connection"
+                );
+                break;
+            }
+            Err(RpcError::Transport(_)) => {}
+            Err(e) => panic!("{e:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "no reconnect");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_reconnects_over_tcp() {
+    pool_reconnects(rdmx_transport_tcp::TcpTransport::new(), "tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_reconnects_over_soft_roce() {
+    pool_reconnects(rdmx_transport_rdma::RdmaTransport::new(), "rdma").await;
+}

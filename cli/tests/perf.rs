@@ -242,8 +242,8 @@ fn pcap_check_passes_real_captures_and_fails_corrupt_ones() {
 
 /// `rdmx perf --capture` over the soft RoCE transport writes the engine's real
 /// packets: every one passes `rdmx pcap check` (ICRC included), and tshark
-/// (when installed; required in CI) decodes the same opcodes, QPNs and PSNs
-/// that our own decoder reads from the file.
+/// (when installed; required in CI) decodes the same opcodes, QPNs, PSNs and
+/// UDP lengths that our own decoder reads from the file.
 #[test]
 fn perf_capture_over_soft_roce_decodes_with_tshark() {
     let dir = std::env::temp_dir().join(format!("rdmx-cap-{}", std::process::id()));
@@ -278,7 +278,7 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    let ours: Vec<(u8, u32, u32)> =
+    let ours: Vec<(u8, u32, u32, u16)> =
         rdmx_roce_proto::pcap::read_capture(std::fs::File::open(&pcap).unwrap())
             .unwrap()
             .iter()
@@ -288,6 +288,7 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
                     f.packet.bth.opcode.0,
                     f.packet.bth.dest_qp,
                     f.packet.bth.psn,
+                    f.udp.len,
                 )
             })
             .collect();
@@ -314,6 +315,7 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
             "infiniband.bth.opcode",
         ])
         .args(["-e", "infiniband.bth.destqp", "-e", "infiniband.bth.psn"])
+        .args(["-e", "udp.length"])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -324,12 +326,17 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
             None => s.parse().unwrap(),
         }
     };
-    let theirs: Vec<(u8, u32, u32)> = String::from_utf8(out.stdout)
+    let theirs: Vec<(u8, u32, u32, u16)> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
         .map(|l| {
             let v: Vec<&str> = l.split(';').collect();
-            (num(v[0]) as u8, num(v[1]) as u32, num(v[2]) as u32)
+            (
+                num(v[0]) as u8,
+                num(v[1]) as u32,
+                num(v[2]) as u32,
+                num(v[3]) as u16,
+            )
         })
         .collect();
     assert_eq!(theirs, ours, "tshark and rdmx disagree on the capture");

@@ -117,14 +117,14 @@ pub(crate) fn transports() -> Transports {
         .with(rdmx_transport_rdma::RdmaTransport::new())
 }
 
-fn parse_size(s: &str) -> Result<u64, Error> {
+/// A byte count with an optional k, m or g suffix (powers of 1024).
+pub(crate) fn parse_size(s: &str) -> Result<u64, Error> {
     let s = s.trim().to_ascii_lowercase();
-    let (num, mul) = match s.strip_suffix('k') {
-        Some(n) => (n, 1 << 10),
-        None => match s.strip_suffix('m') {
-            Some(n) => (n, 1 << 20),
-            None => (s.as_str(), 1),
-        },
+    let (num, mul) = match s.as_bytes().last() {
+        Some(b'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some(b'm') => (&s[..s.len() - 1], 1 << 20),
+        Some(b'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s.as_str(), 1),
     };
     num.parse::<u64>()
         .map(|n| n * mul)

@@ -15,6 +15,8 @@ use bytes::Bytes;
 use rdmx_core::{Access, Connection, Error, Options, RemoteRegion, Transports};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 use serde::Serialize;
+
+use crate::perf::parse_size;
 use sha2::{Digest, Sha256};
 
 /// Arguments of `rdmx soak`.
@@ -60,19 +62,6 @@ pub(crate) struct SoakReport {
     rnr_naks: u64,
     cnps: u64,
     ce_marked: u64,
-}
-
-fn parse_size(s: &str) -> Result<u64, Error> {
-    let s = s.trim().to_ascii_lowercase();
-    let (num, mult) = match s.as_bytes().last() {
-        Some(b'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some(b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (&s[..], 1),
-    };
-    num.parse::<u64>()
-        .map(|n| n * mult)
-        .map_err(|_| Error::InvalidArgument(format!("bad size {s:?}")))
 }
 
 /// The transports; a soft RoCE device only if this run uses RDMA (so a TCP

@@ -65,4 +65,6 @@ pub use conn::{
 pub use error::{AccessError, Error, Result};
 pub use memory::{Access, AtomicOp, Domain, LocalSlice, MemoryRegion, RemoteRegion};
 pub use stats::{Stats, StatsSnapshot};
-pub use transport::{Endpoint, Listener, Options, Policy, RawListener, Transport, Transports};
+pub use transport::{
+    tcp_listener, Endpoint, Listener, Options, Policy, RawListener, Transport, Transports,
+};

@@ -171,6 +171,66 @@ pub trait Transport: Send + Sync + 'static {
     fn listen(&self, addr: &str, opts: &Options) -> BoxFuture<'static, Result<Listener>>;
 }
 
+/// A [`Listener`] over a TCP socket for transports that bootstrap over TCP:
+/// each accepted socket is set up by `establish` in its own task (so a slow or
+/// hostile client cannot hold up others) and the results are what
+/// [`Listener::accept`] returns. Dropping the listener stops accepting.
+pub fn tcp_listener<F, Fut>(l: tokio::net::TcpListener, establish: F) -> Result<Listener>
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Connection>> + Send + 'static,
+{
+    let local = l
+        .local_addr()
+        .map_err(|e| Error::Connect(format!("listener address: {e}")))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let task = tokio::spawn(async move {
+        loop {
+            let stream = match l.accept().await {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let tx = tx.clone();
+            let setup = establish(stream);
+            tokio::spawn(async move {
+                let _ = tx.send(setup.await).await;
+            });
+        }
+    });
+    Ok(Listener::new(Box::new(TcpAccepts { rx, local, task })))
+}
+
+struct TcpAccepts {
+    rx: tokio::sync::mpsc::Receiver<Result<Connection>>,
+    local: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TcpAccepts {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawListener for TcpAccepts {
+    fn accept(&mut self) -> BoxFuture<'_, Result<Connection>> {
+        Box::pin(async move {
+            self.rx
+                .recv()
+                .await
+                .unwrap_or_else(|| Err(Error::Disconnected("listener stopped".into())))
+        })
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+}
+
 /// A parsed `scheme://host:port` endpoint URL.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {

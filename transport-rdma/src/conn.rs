@@ -47,10 +47,6 @@ const RECV_BIT: u64 = 1 << 63;
 /// Largest single READ/WRITE (the RETH DMA length is 32 bits; 2^31 as rxe).
 pub const MAX_RDMA_SIZE: u64 = 1 << 31;
 
-fn psn_diff(a: u32, b: u32) -> i32 {
-    ((a.wrapping_sub(b)) << 8) as i32 >> 8
-}
-
 /// What each side tells the other about its QP (the PARAMS message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Params {
@@ -924,16 +920,9 @@ impl Shared {
                         return;
                     }
                 };
-                let path = QpPeer {
-                    qpn,
-                    psn,
-                    ..self.path
-                };
-                if let Err(e) = qp.connect(path, my_psn) {
-                    drop(st);
-                    self.die(e);
+                let Some(mut st) = self.connect_fresh(st, &*qp, my_psn, qpn, psn) else {
                     return;
-                }
+                };
                 let _ = self.ctl.send(Ctl::ResetAck {
                     gen,
                     qpn: qp.qpn(),
@@ -955,17 +944,36 @@ impl Shared {
                     self.die(Error::Protocol("QP reset answer without a request".into()));
                     return;
                 };
-                let path = QpPeer {
-                    qpn,
-                    psn,
-                    ..self.path
-                };
-                if let Err(e) = qp.connect(path, my_psn) {
-                    drop(st);
-                    self.die(e);
+                let Some(mut st) = self.connect_fresh(st, &*qp, my_psn, qpn, psn) else {
                     return;
-                }
+                };
                 self.finish_reset(&mut st, qp, my_psn, epsn, gen);
+            }
+        }
+    }
+
+    /// Connect a replacement QP to the peer's `qpn`/`psn` on the same path.
+    /// On failure the state lock is released (`die` takes it) and the
+    /// connection dies; `None` tells the caller to stop.
+    fn connect_fresh<'a>(
+        &'a self,
+        st: parking_lot::MutexGuard<'a, State>,
+        qp: &dyn QueuePair,
+        my_psn: u32,
+        qpn: u32,
+        psn: u32,
+    ) -> Option<parking_lot::MutexGuard<'a, State>> {
+        let path = QpPeer {
+            qpn,
+            psn,
+            ..self.path
+        };
+        match qp.connect(path, my_psn) {
+            Ok(()) => Some(st),
+            Err(e) => {
+                drop(st);
+                self.die(e);
+                None
             }
         }
     }
@@ -990,7 +998,7 @@ impl Shared {
                 continue;
             }
             let last = (p.first_psn + p.npkts - 1) & 0xFF_FFFF;
-            let executed = psn_diff(last, peer_epsn) < 0;
+            let executed = rdmx_roce_proto::psn::diff(last, peer_epsn) < 0;
             if !executed {
                 continue;
             }
@@ -1307,8 +1315,9 @@ mod tests {
 
     #[test]
     fn psn_arithmetic_wraps() {
-        assert_eq!(psn_diff(0, 0xFF_FFFF), 1);
-        assert_eq!(psn_diff(0xFF_FFFF, 0), -1);
-        assert_eq!(psn_diff(10, 5), 5);
+        use rdmx_roce_proto::psn::diff;
+        assert_eq!(diff(0, 0xFF_FFFF), 1);
+        assert_eq!(diff(0xFF_FFFF, 0), -1);
+        assert_eq!(diff(10, 5), 5);
     }
 }

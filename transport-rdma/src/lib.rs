@@ -28,17 +28,11 @@ mod sys;
 pub mod sysfs;
 pub mod verbs;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
-use rdmx_core::{
-    BoxFuture, Capabilities, Connection, Error, Listener, Options, RawListener, Result, Transport,
-};
+use rdmx_core::{BoxFuture, Capabilities, Connection, Error, Listener, Options, Result, Transport};
 use rdmx_transport_tcp::handshake::{self, Limits};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 pub use conn::{MAX_RDMA_SIZE, RDMA_VERSION};
 pub use soft::{SoftConfig, SoftRoce};
@@ -196,66 +190,13 @@ impl Transport for RdmaTransport {
             let l = TcpListener::bind(&addr)
                 .await
                 .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
-            let local = l
-                .local_addr()
-                .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
-            let (tx, rx) = mpsc::channel(64);
-            let task = tokio::spawn(accept_loop(l, opts, provider.clone(), this.qp, tx));
-            tracing::info!(%local, provider = %provider.device_name(), "rdma listener ready");
-            Ok(Listener::new(Box::new(RdmaListener { rx, local, task })))
+            let name = provider.device_name();
+            let qp = this.qp;
+            let listener = rdmx_core::tcp_listener(l, move |stream| {
+                establish(stream, opts.clone(), provider.clone(), qp, true)
+            })?;
+            tracing::info!(local = %listener.local_addr(), provider = %name, "rdma listener ready");
+            Ok(listener)
         })
-    }
-}
-
-async fn accept_loop(
-    l: TcpListener,
-    opts: Options,
-    provider: Arc<dyn Provider>,
-    qp: QpOptions,
-    tx: mpsc::Sender<Result<Connection>>,
-) {
-    loop {
-        let stream = match l.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        let tx = tx.clone();
-        let opts = opts.clone();
-        let provider = provider.clone();
-        tokio::spawn(async move {
-            let res = establish(stream, opts, provider, qp, true).await;
-            let _ = tx.send(res).await;
-        });
-    }
-}
-
-struct RdmaListener {
-    rx: mpsc::Receiver<Result<Connection>>,
-    local: SocketAddr,
-    task: JoinHandle<()>,
-}
-
-impl Drop for RdmaListener {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl RawListener for RdmaListener {
-    fn accept(&mut self) -> BoxFuture<'_, Result<Connection>> {
-        Box::pin(async move {
-            self.rx
-                .recv()
-                .await
-                .unwrap_or_else(|| Err(Error::Disconnected("listener closed".into())))
-        })
-    }
-
-    fn local_addr(&self) -> SocketAddr {
-        self.local
     }
 }

@@ -30,16 +30,11 @@ mod conn;
 pub mod frame;
 pub mod handshake;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdmx_core::{
-    BoxFuture, Capabilities, Connection, Error, Listener, Options, RawListener, Result, Transport,
-};
+use rdmx_core::{BoxFuture, Capabilities, Connection, Error, Listener, Options, Result, Transport};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 use crate::conn::{Setup, TcpConnection};
 use crate::handshake::Limits;
@@ -132,70 +127,11 @@ impl Transport for TcpTransport {
             let l = TcpListener::bind(&addr)
                 .await
                 .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
-            let local = l
-                .local_addr()
-                .map_err(|e| Error::Connect(format!("listen on {addr}: {e}")))?;
-            let (tx, rx) = mpsc::channel(64);
-            let task = tokio::spawn(accept_loop(l, opts, ours, tx));
-            tracing::info!(%local, "tcp listener ready");
-            Ok(Listener::new(Box::new(TcpListenerHandle {
-                rx,
-                local,
-                task,
-            })))
+            let listener = rdmx_core::tcp_listener(l, move |stream| {
+                establish(stream, opts.clone(), ours, true)
+            })?;
+            tracing::info!(local = %listener.local_addr(), "tcp listener ready");
+            Ok(listener)
         })
-    }
-}
-
-/// Accept sockets and run each handshake in its own task, so a slow or hostile
-/// client cannot hold up others.
-async fn accept_loop(
-    l: TcpListener,
-    opts: Options,
-    ours: Limits,
-    tx: mpsc::Sender<Result<Connection>>,
-) {
-    loop {
-        let stream = match l.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
-        let tx = tx.clone();
-        let opts = opts.clone();
-        tokio::spawn(async move {
-            let res = establish(stream, opts, ours, true).await;
-            let _ = tx.send(res).await;
-        });
-    }
-}
-
-struct TcpListenerHandle {
-    rx: mpsc::Receiver<Result<Connection>>,
-    local: SocketAddr,
-    task: JoinHandle<()>,
-}
-
-impl Drop for TcpListenerHandle {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl RawListener for TcpListenerHandle {
-    fn accept(&mut self) -> BoxFuture<'_, Result<Connection>> {
-        Box::pin(async move {
-            self.rx
-                .recv()
-                .await
-                .unwrap_or_else(|| Err(Error::Disconnected("listener stopped".into())))
-        })
-    }
-
-    fn local_addr(&self) -> SocketAddr {
-        self.local
     }
 }

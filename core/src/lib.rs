@@ -63,7 +63,10 @@ pub use conn::{
     BoxFuture, Connection, ConnectionInfo, Incoming, Op, RawConnection, DEFAULT_OP_TIMEOUT,
 };
 pub use error::{AccessError, Error, Result};
-pub use memory::{Access, AtomicOp, Domain, LocalSlice, MemoryRegion, RemoteRegion};
+pub use memory::{
+    Access, AtomicOp, DeviceMemory, DeviceRegistration, Domain, LocalSlice, MemoryRegion,
+    RemoteRegion,
+};
 pub use stats::{Stats, StatsSnapshot};
 pub use transport::{
     tcp_listener, Endpoint, Listener, Options, Policy, RawListener, Transport, Transports,

@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::ops::BitOr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
@@ -176,6 +176,10 @@ struct RegionMem {
     /// Read-only regions lent from the caller's `Bytes` (no copy); copied into
     /// `words` the first time the owner writes locally.
     frozen: Option<Bytes>,
+    /// Lent bytes replaced by a local write, kept until the region is freed:
+    /// a NIC registration still points at them (a NIC peer keeps reading the
+    /// lent bytes, documented in [`Domain::register_bytes`]).
+    retired: Option<Bytes>,
     len: usize,
     revoked: bool,
 }
@@ -192,13 +196,22 @@ impl RegionMem {
         if let Some(b) = self.frozen.take() {
             self.words = vec![0u64; len.div_ceil(8)].into_boxed_slice();
             bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len].copy_from_slice(&b[..len]);
+            self.retired = Some(b);
         }
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len]
     }
 }
 
 pub(crate) struct RegionInner {
-    rkey: u32,
+    /// The key peers use: the domain's own random key, or the NIC's R_Key once
+    /// the domain is bound to a device ([`Domain::bind_device`]).
+    rkey: AtomicU32,
+    /// The key the region was registered under before a device binding gave
+    /// it a NIC key (still accepted by software transports); 0 if none.
+    alias: AtomicU32,
+    /// The device's registration of this memory; dropped (deregistered from
+    /// the NIC) when the region is revoked, before the memory is freed.
+    device: parking_lot::Mutex<Option<DeviceRegistration>>,
     addr: u64,
     len: usize,
     access: Access,
@@ -215,6 +228,41 @@ struct DomainInner {
     id: u64,
     table: RwLock<KeyTable>,
     registered_bytes: AtomicU64,
+    /// The RDMA device every region is also registered with, if any.
+    device: RwLock<Option<Arc<dyn DeviceMemory>>>,
+}
+
+/// An RDMA device that must know every region of a domain (a NIC's protection
+/// domain). Software transports need none: they check accesses in the
+/// [`Domain`] itself.
+pub trait DeviceMemory: Send + Sync + 'static {
+    /// Device name for messages (`"mlx5_0"`).
+    fn name(&self) -> String;
+    /// Register `len` bytes at `addr` with the rights `access` (`ibv_reg_mr`).
+    ///
+    /// The domain keeps the memory allocated, at the same address, until the
+    /// returned registration is dropped.
+    fn register(&self, addr: u64, len: usize, access: Access) -> Result<DeviceRegistration>;
+}
+
+/// A device's registration of one region: its keys, and a guard that
+/// deregisters the memory from the device (`ibv_dereg_mr`) when dropped.
+pub struct DeviceRegistration {
+    /// Remote key peers put in their requests.
+    pub rkey: u32,
+    /// Local key for posting this memory in work requests.
+    pub lkey: u32,
+    /// Deregisters on drop.
+    pub guard: Box<dyn Send + Sync>,
+}
+
+impl fmt::Debug for DeviceRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceRegistration")
+            .field("rkey", &format_args!("{:#010x}", self.rkey))
+            .field("lkey", &format_args!("{:#010x}", self.lkey))
+            .finish()
+    }
 }
 
 /// A protection domain: the regions one or more connections serve to their peers.
@@ -253,8 +301,88 @@ impl Domain {
                     revoked_order: VecDeque::new(),
                 }),
                 registered_bytes: AtomicU64::new(0),
+                device: RwLock::new(None),
             }),
         }
+    }
+
+    /// Bind this domain to an RDMA device: every region, present and future,
+    /// is registered with it too, and [`MemoryRegion::remote`] hands out the
+    /// device's R_Key from then on (the key the NIC checks). Keys given out
+    /// before the binding keep working over software transports, not over the
+    /// NIC, so take descriptors after connecting. Binding again to the same
+    /// device is a no-op; a domain serves one device at most.
+    pub fn bind_device(&self, dev: Arc<dyn DeviceMemory>) -> Result<()> {
+        let mut bound = self.inner.device.write();
+        if let Some(d) = bound.as_ref() {
+            if Arc::ptr_eq(d, &dev) {
+                return Ok(());
+            }
+            return Err(Error::InvalidArgument(format!(
+                "domain is already bound to RDMA device {}; use another domain for {}",
+                d.name(),
+                dev.name()
+            )));
+        }
+        let regions: Vec<Arc<RegionInner>> = {
+            let table = self.inner.table.read();
+            let mut v: Vec<_> = table.live.values().cloned().collect();
+            v.sort_by_key(|r| Arc::as_ptr(r) as usize);
+            v.dedup_by(|a, b| Arc::ptr_eq(a, b));
+            v
+        };
+        for r in regions.iter().filter(|r| r.len > 0) {
+            self.attach(&*dev, r)?;
+        }
+        *bound = Some(dev);
+        Ok(())
+    }
+
+    /// The device this domain is bound to.
+    pub fn device(&self) -> Option<Arc<dyn DeviceMemory>> {
+        self.inner.device.read().clone()
+    }
+
+    /// Register `r` with `dev` and make the device's key its key (the old
+    /// one stays valid as an alias). Retries on the rare key collision.
+    /// Zero-length regions are never registered: NICs skip the R_Key check
+    /// for zero-length accesses (IBTA 9.7.4.1.5).
+    fn attach(&self, dev: &dyn DeviceMemory, r: &Arc<RegionInner>) -> Result<()> {
+        for _ in 0..8 {
+            let reg = dev.register(r.addr, r.len, r.access)?;
+            let mut table = self.inner.table.write();
+            let key = reg.rkey;
+            let taken = table.revoked.contains(&key)
+                || table.live.get(&key).is_some_and(|o| !Arc::ptr_eq(o, r));
+            if taken || key == 0 {
+                continue; // dropping `reg` deregisters it; ask again
+            }
+            let old = r.rkey.swap(key, Ordering::AcqRel);
+            if old != key {
+                r.alias.store(old, Ordering::Release);
+            }
+            table.live.insert(key, r.clone());
+            *r.device.lock() = Some(reg);
+            return Ok(());
+        }
+        Err(Error::ResourceExhausted(format!(
+            "{}: no usable R_Key after 8 registrations",
+            dev.name()
+        )))
+    }
+
+    /// The device's local key for `[addr, addr + len)` if it lies inside one
+    /// region of this domain registered with the bound device (for zero-copy
+    /// work requests).
+    pub fn device_lkey(&self, rkey: u32, addr: u64, len: u64) -> Option<u32> {
+        let table = self.inner.table.read();
+        let r = table.live.get(&rkey)?;
+        let off = addr.checked_sub(r.addr)?;
+        if off.checked_add(len)? > r.len as u64 {
+            return None;
+        }
+        let lkey = r.device.lock().as_ref().map(|d| d.lkey);
+        lkey
     }
 
     /// True if both handles name the same domain.
@@ -279,7 +407,9 @@ impl Domain {
     /// REMOTE_READ only (writes and atomics by peers are refused) and keeps
     /// `data` alive until deregistered. A later local write through
     /// [`MemoryRegion::write`] copies it first (the caller's `Bytes` never
-    /// changes). What RPC rendezvous uses for large bodies.
+    /// changes); peers reading through a NIC (a domain bound with
+    /// [`Domain::bind_device`]) keep seeing the lent bytes, software
+    /// transports see the write. What RPC rendezvous uses for large bodies.
     pub fn register_bytes(&self, data: Bytes) -> MemoryRegion {
         let len = data.len();
         let addr = data.as_ptr() as u64;
@@ -307,13 +437,16 @@ impl Domain {
             }
         };
         let inner = Arc::new(RegionInner {
-            rkey,
+            rkey: AtomicU32::new(rkey),
+            alias: AtomicU32::new(0),
+            device: parking_lot::Mutex::new(None),
             addr,
             len,
             access,
             mem: RwLock::new(RegionMem {
                 words,
                 frozen,
+                retired: None,
                 len,
                 revoked: false,
             }),
@@ -323,6 +456,14 @@ impl Domain {
         self.inner
             .registered_bytes
             .fetch_add(len as u64, Ordering::Relaxed);
+        let device = self.inner.device.read().clone();
+        if let Some(dev) = device.filter(|_| len > 0) {
+            if let Err(e) = self.attach(&*dev, &inner) {
+                // Software transports can still serve it; the NIC cannot.
+                tracing::warn!(device = %dev.name(), error = %e, len, "region not registered with the RDMA device");
+            }
+        }
+        let rkey = inner.rkey.load(Ordering::Acquire);
         tracing::debug!(
             rkey = format_args!("{rkey:#010x}"),
             len,
@@ -337,7 +478,12 @@ impl Domain {
 
     /// Number of live regions.
     pub fn region_count(&self) -> usize {
-        self.inner.table.read().live.len()
+        let t = self.inner.table.read();
+        // A region bound to a device is listed under its old key too.
+        t.live
+            .iter()
+            .filter(|(k, r)| r.rkey.load(Ordering::Acquire) == **k)
+            .count()
     }
 
     /// Bytes currently registered.
@@ -544,12 +690,13 @@ impl Domain {
         Ok(old)
     }
 
-    fn revoke(&self, rkey: u32) {
+    /// Revoke `rkey`, counting `len` bytes as no longer registered.
+    fn revoke(&self, rkey: u32, len: usize) {
         let mut table = self.inner.table.write();
-        if let Some(r) = table.live.remove(&rkey) {
+        if table.live.remove(&rkey).is_some() {
             self.inner
                 .registered_bytes
-                .fetch_sub(r.len as u64, Ordering::Relaxed);
+                .fetch_sub(len as u64, Ordering::Relaxed);
             table.revoked.insert(rkey);
             table.revoked_order.push_back(rkey);
             if table.revoked_order.len() > REVOKED_MEMORY {
@@ -574,7 +721,7 @@ impl fmt::Debug for MemoryRegion {
         f.debug_struct("MemoryRegion")
             .field("addr", &format_args!("{:#x}", self.inner.addr))
             .field("len", &self.inner.len)
-            .field("rkey", &format_args!("{:#010x}", self.inner.rkey))
+            .field("rkey", &format_args!("{:#010x}", self.rkey()))
             .field("access", &self.inner.access)
             .finish()
     }
@@ -591,7 +738,7 @@ impl MemoryRegion {
         RemoteRegion {
             addr: self.inner.addr,
             len: self.inner.len as u64,
-            rkey: self.inner.rkey,
+            rkey: self.rkey(),
         }
     }
 
@@ -607,7 +754,7 @@ impl MemoryRegion {
 
     /// The remote key.
     pub fn rkey(&self) -> u32 {
-        self.inner.rkey
+        self.inner.rkey.load(Ordering::Acquire)
     }
 
     /// The access rights given at registration.
@@ -659,11 +806,20 @@ impl MemoryRegion {
     fn revoke_now(&self) {
         // Mark revoked under the write lock: waits for any access holding the lock.
         self.inner.mem.write().revoked = true;
+        let rkey = self.rkey();
         if let Some(d) = self.domain.upgrade() {
-            Domain { inner: d }.revoke(self.inner.rkey);
+            let d = Domain { inner: d };
+            d.revoke(rkey, self.inner.len);
+            let alias = self.inner.alias.load(Ordering::Acquire);
+            if alias != 0 {
+                d.revoke(alias, 0);
+            }
         }
+        // Deregister from the NIC (`ibv_dereg_mr` returns once the device no
+        // longer touches the memory) before the memory can be freed.
+        drop(self.inner.device.lock().take());
         tracing::debug!(
-            rkey = format_args!("{:#010x}", self.inner.rkey),
+            rkey = format_args!("{rkey:#010x}"),
             "region deregistered"
         );
     }
@@ -687,7 +843,7 @@ pub struct LocalSlice {
 impl fmt::Debug for LocalSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalSlice")
-            .field("rkey", &format_args!("{:#010x}", self.region.rkey))
+            .field("rkey", &format_args!("{:#010x}", self.region.rkey.load(Ordering::Relaxed)))
             .field("offset", &self.offset)
             .field("len", &self.len)
             .finish()
@@ -905,5 +1061,100 @@ mod tests {
             d.remote_read(r.rkey, r.addr, 4, 0, 4),
             Err(AccessError::Revoked)
         );
+    }
+
+    /// A fake NIC: hands out the keys it is told to, records what is registered.
+    struct FakeNic {
+        keys: parking_lot::Mutex<VecDeque<u32>>,
+        live: Arc<parking_lot::Mutex<Vec<(u64, usize, u32)>>>,
+    }
+
+    struct FakeMr {
+        live: Arc<parking_lot::Mutex<Vec<(u64, usize, u32)>>>,
+        rkey: u32,
+    }
+
+    impl Drop for FakeMr {
+        fn drop(&mut self) {
+            self.live.lock().retain(|e| e.2 != self.rkey);
+        }
+    }
+
+    impl DeviceMemory for FakeNic {
+        fn name(&self) -> String {
+            "fake0".into()
+        }
+        fn register(&self, addr: u64, len: usize, _a: Access) -> Result<DeviceRegistration> {
+            let rkey = self.keys.lock().pop_front().expect("test ran out of keys");
+            self.live.lock().push((addr, len, rkey));
+            Ok(DeviceRegistration {
+                rkey,
+                lkey: rkey ^ 0xFFFF,
+                guard: Box::new(FakeMr {
+                    live: self.live.clone(),
+                    rkey,
+                }),
+            })
+        }
+    }
+
+    fn fake_nic(keys: &[u32]) -> Arc<FakeNic> {
+        Arc::new(FakeNic {
+            keys: parking_lot::Mutex::new(keys.iter().copied().collect()),
+            live: Arc::default(),
+        })
+    }
+
+    #[test]
+    fn device_binding_gives_regions_nic_keys() {
+        let d = Domain::new();
+        let before = d.register_from(b"registered before the NIC", Access::ALL);
+        let old_key = before.rkey();
+        let empty = d.register(0, Access::ALL);
+        let other = d.register(8, Access::ALL);
+        // The first key the NIC offers was used by a region deregistered
+        // earlier: it must not be reused, so the region is registered again.
+        let gone = d.register(8, Access::ALL).rkey();
+        let nic = fake_nic(&[gone, 0x1111_0001, 0x2222_0002, 0x3333_0003]);
+        d.bind_device(nic.clone()).unwrap();
+        d.bind_device(nic.clone()).unwrap(); // same device: no-op
+        let err = d.bind_device(fake_nic(&[])).unwrap_err().to_string();
+        assert!(err.contains("already bound to RDMA device fake0"), "{err}");
+
+        // Every non-empty region is on the NIC, under the NIC's key.
+        let live = nic.live.lock().clone();
+        assert_eq!(live.len(), 2, "{live:?}");
+        assert!(live.iter().all(|e| e.2 != gone), "revoked key skipped");
+        let mut got = [before.rkey(), other.rkey()];
+        got.sort();
+        assert_eq!(got, [0x1111_0001, 0x2222_0002]);
+        assert!(live.iter().any(|e| e.2 == before.rkey() && e.0 == before.remote().addr));
+        assert_eq!(before.remote().rkey, before.rkey());
+        assert_ne!(before.rkey(), old_key);
+        assert_eq!(empty.remote().len, 0);
+        // Old and new keys both reach the same bytes through the domain.
+        let r = before.remote();
+        for key in [old_key, r.rkey] {
+            assert_eq!(
+                d.remote_read(key, r.addr, r.len, 0, r.len).unwrap(),
+                &b"registered before the NIC"[..]
+            );
+        }
+        // Lkeys for zero-copy posting, bounds-checked.
+        assert_eq!(d.device_lkey(r.rkey, r.addr + 2, 5), Some(r.rkey ^ 0xFFFF));
+        assert_eq!(d.device_lkey(r.rkey, r.addr + 2, r.len), None);
+
+        // New regions are registered at once and take the NIC's key.
+        let after = d.register(64, Access::ALL);
+        assert_eq!(after.rkey(), 0x3333_0003);
+        assert_eq!(nic.live.lock().len(), 3);
+
+        // Deregistering revokes both keys and the NIC registration.
+        drop(before);
+        assert_eq!(d.remote_read(old_key, r.addr, 1, 0, 1), Err(AccessError::Revoked));
+        assert_eq!(d.remote_read(r.rkey, r.addr, 1, 0, 1), Err(AccessError::Revoked));
+        assert!(nic.live.lock().iter().all(|e| e.2 != r.rkey));
+        assert_eq!(d.region_count(), 3, "other, empty, after");
+        assert_eq!(d.registered_bytes(), 8 + 64);
     }
 }

@@ -633,9 +633,10 @@ async fn drive(
 
 fn status_error(s: WcStatus) -> Error {
     match s {
-        WcStatus::RetryExceeded | WcStatus::RnrRetryExceeded => {
-            Error::Disconnected(s.hint().to_string())
-        }
+        WcStatus::RetryExceeded
+        | WcStatus::RnrRetryExceeded
+        | WcStatus::ResponseTimeout
+        | WcStatus::Fatal => Error::Disconnected(s.hint().to_string()),
         _ => Error::Protocol(format!("{s:?}: {}", s.hint())),
     }
 }
@@ -1311,6 +1312,27 @@ mod tests {
             }
         }
         assert!(Ctl::decode(99, &[]).is_err());
+    }
+
+    #[test]
+    fn every_ibv_wc_status_has_an_error_and_a_hint() {
+        let mut hints = std::collections::HashSet::new();
+        for code in 0..=23u32 {
+            let s = WcStatus::from_ibv(code);
+            let hint = s.hint();
+            assert!(hint.len() > 10, "{code}: {hint}");
+            hints.insert(hint);
+            let e = status_error(s).to_string();
+            assert!(e.contains(hint), "{code}: {e}");
+        }
+        // Distinct advice for the statuses people meet on RoCE fabrics.
+        assert!(WcStatus::from_ibv(12).hint().contains("wrong GID, or MTU mismatch"));
+        assert!(WcStatus::from_ibv(10).hint().contains("R_Key"));
+        assert!(WcStatus::from_ibv(13).hint().contains("receive"));
+        assert!(WcStatus::from_ibv(5).hint().contains("error state"));
+        assert!(matches!(status_error(WcStatus::from_ibv(12)), Error::Disconnected(_)));
+        assert!(hints.len() >= 20, "{}", hints.len());
+        assert_eq!(WcStatus::from_ibv(99), WcStatus::Other(99));
     }
 
     #[test]

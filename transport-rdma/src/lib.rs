@@ -23,6 +23,7 @@
 #![deny(unsafe_code)]
 
 mod conn;
+pub mod hw;
 pub mod soft;
 mod sys;
 pub mod sysfs;

@@ -188,7 +188,21 @@ pub enum WcStatus {
     RetryExceeded,
     /// RNR NAK retries exhausted (the peer posts no receives).
     RnrRetryExceeded,
-    /// Anything else the provider reports (its raw code).
+    /// A memory window bind failed.
+    MemoryWindowBind,
+    /// The responder sent a response the requester cannot use (bad opcode).
+    BadResponse,
+    /// Local access error (e.g. a READ response into memory without local write).
+    LocalAccess,
+    /// The responder aborted the operation.
+    RemoteAborted,
+    /// The device itself failed.
+    Fatal,
+    /// No response to a request in time (RD QPs).
+    ResponseTimeout,
+    /// Provider-specific general error.
+    General,
+    /// Any other `ibv_wc_status` (its raw code; see [`WcStatus::hint`]).
     Other(u32),
 }
 
@@ -196,7 +210,7 @@ impl WcStatus {
     /// What a person should check when they see this status.
     pub fn hint(self) -> &'static str {
         match self {
-            WcStatus::Success => "success",
+            WcStatus::Success => "the operation completed successfully",
             WcStatus::LocalLength => "a message was larger than the receive buffer posted for it",
             WcStatus::LocalQpOperation => {
                 "local QP operation error: a work request the QP cannot execute"
@@ -220,7 +234,50 @@ impl WcStatus {
             WcStatus::RnrRetryExceeded => {
                 "the peer posted no receive buffer in time (receiver not ready)"
             }
-            WcStatus::Other(_) => "provider-specific completion error",
+            WcStatus::MemoryWindowBind => "a memory window could not be bound (rights or range)",
+            WcStatus::BadResponse => {
+                "the peer answered with an unexpected response: firmware or interoperability problem"
+            }
+            WcStatus::LocalAccess => {
+                "local memory refused the access: READ/atomic target registered without local write"
+            }
+            WcStatus::RemoteAborted => "the peer aborted the operation",
+            WcStatus::Fatal => "the RDMA device reported a fatal error: check dmesg and the NIC",
+            WcStatus::ResponseTimeout => "no response in time: peer unreachable",
+            WcStatus::General => "the provider reported a general error: check dmesg",
+            WcStatus::Other(3) => "local end-to-end context error (RD, unused by rdmx)",
+            WcStatus::Other(14) | WcStatus::Other(15) | WcStatus::Other(17) | WcStatus::Other(18) => {
+                "reliable-datagram error (RD, unused by rdmx): provider or firmware problem"
+            }
+            WcStatus::Other(22) | WcStatus::Other(23) => {
+                "tag-matching error (unused by rdmx): provider or firmware problem"
+            }
+            WcStatus::Other(_) => "unknown completion status: provider newer than rdmx",
+        }
+    }
+
+    /// The status for a raw `ibv_wc_status` code (`enum ibv_wc_status` in
+    /// `<infiniband/verbs.h>`, the IBTA completion errors of 11.6.2).
+    pub fn from_ibv(code: u32) -> WcStatus {
+        match code {
+            0 => WcStatus::Success,
+            1 => WcStatus::LocalLength,
+            2 => WcStatus::LocalQpOperation,
+            4 => WcStatus::LocalProtection,
+            5 => WcStatus::Flushed,
+            6 => WcStatus::MemoryWindowBind,
+            7 => WcStatus::BadResponse,
+            8 => WcStatus::LocalAccess,
+            9 => WcStatus::RemoteInvalidRequest,
+            10 => WcStatus::RemoteAccess,
+            11 => WcStatus::RemoteOperational,
+            12 => WcStatus::RetryExceeded,
+            13 => WcStatus::RnrRetryExceeded,
+            16 => WcStatus::RemoteAborted,
+            19 => WcStatus::Fatal,
+            20 => WcStatus::ResponseTimeout,
+            21 => WcStatus::General,
+            other => WcStatus::Other(other),
         }
     }
 }

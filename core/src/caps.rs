@@ -38,4 +38,8 @@ pub struct Capabilities {
     pub max_inflight: u32,
     /// Receive credits (messages the peer may send before we consume them).
     pub recv_credits: u32,
+    /// One-sided operations the peer runs on our memory are counted in
+    /// `remote_ops_served`. False on RDMA NICs: they serve them without the
+    /// CPU and count them per port (`rdmx doctor`), not per connection.
+    pub counts_remote_ops: bool,
 }

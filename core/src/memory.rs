@@ -385,6 +385,11 @@ impl Domain {
         lkey
     }
 
+    /// A number identifying this domain within the process (never reused).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
     /// True if both handles name the same domain.
     pub fn same(&self, other: &Domain) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -818,10 +823,7 @@ impl MemoryRegion {
         // Deregister from the NIC (`ibv_dereg_mr` returns once the device no
         // longer touches the memory) before the memory can be freed.
         drop(self.inner.device.lock().take());
-        tracing::debug!(
-            rkey = format_args!("{rkey:#010x}"),
-            "region deregistered"
-        );
+        tracing::debug!(rkey = format_args!("{rkey:#010x}"), "region deregistered");
     }
 }
 
@@ -843,7 +845,10 @@ pub struct LocalSlice {
 impl fmt::Debug for LocalSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LocalSlice")
-            .field("rkey", &format_args!("{:#010x}", self.region.rkey.load(Ordering::Relaxed)))
+            .field(
+                "rkey",
+                &format_args!("{:#010x}", self.region.rkey.load(Ordering::Relaxed)),
+            )
             .field("offset", &self.offset)
             .field("len", &self.len)
             .finish()
@@ -1128,7 +1133,9 @@ mod tests {
         let mut got = [before.rkey(), other.rkey()];
         got.sort();
         assert_eq!(got, [0x1111_0001, 0x2222_0002]);
-        assert!(live.iter().any(|e| e.2 == before.rkey() && e.0 == before.remote().addr));
+        assert!(live
+            .iter()
+            .any(|e| e.2 == before.rkey() && e.0 == before.remote().addr));
         assert_eq!(before.remote().rkey, before.rkey());
         assert_ne!(before.rkey(), old_key);
         assert_eq!(empty.remote().len, 0);
@@ -1151,8 +1158,14 @@ mod tests {
 
         // Deregistering revokes both keys and the NIC registration.
         drop(before);
-        assert_eq!(d.remote_read(old_key, r.addr, 1, 0, 1), Err(AccessError::Revoked));
-        assert_eq!(d.remote_read(r.rkey, r.addr, 1, 0, 1), Err(AccessError::Revoked));
+        assert_eq!(
+            d.remote_read(old_key, r.addr, 1, 0, 1),
+            Err(AccessError::Revoked)
+        );
+        assert_eq!(
+            d.remote_read(r.rkey, r.addr, 1, 0, 1),
+            Err(AccessError::Revoked)
+        );
         assert!(nic.live.lock().iter().all(|e| e.2 != r.rkey));
         assert_eq!(d.region_count(), 3, "other, empty, after");
         assert_eq!(d.registered_bytes(), 8 + 64);

@@ -34,8 +34,8 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::verbs::{
-    CompletionQueue, CqWaiter, ProtectionDomain, Provider, QpOptions, QpPeer, QueuePair, SendOp,
-    SendWr, WcOpcode, WcStatus, WorkCompletion,
+    CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind, QpOptions, QpPeer,
+    QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// Version of the RDMA bootstrap (PARAMS and control messages).
@@ -306,6 +306,7 @@ pub(crate) fn capabilities(max_message: u64, max_inflight: u32, credits: u32) ->
         max_rdma_size: MAX_RDMA_SIZE,
         max_inflight,
         recv_credits: credits,
+        counts_remote_ops: true,
     }
 }
 
@@ -353,6 +354,7 @@ pub(crate) struct Setup {
     pub(crate) agreed: Agreed,
     pub(crate) max_inflight: u32,
     pub(crate) connect_timeout: std::time::Duration,
+    pub(crate) busy_poll: Option<std::time::Duration>,
     pub(crate) server: bool,
 }
 
@@ -417,6 +419,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         agreed,
         max_inflight,
         connect_timeout,
+        busy_poll,
         server,
     } = s;
     let local_addr = stream.local_addr().ok();
@@ -483,7 +486,10 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         fallback_reason: None,
         local_addr,
         peer_addr: Some(peer_addr),
-        capabilities: capabilities(agreed.peer.max_message, max_inflight, agreed.peer.credits),
+        capabilities: Capabilities {
+            counts_remote_ops: provider.kind() == ProviderKind::Soft,
+            ..capabilities(agreed.peer.max_message, max_inflight, agreed.peer.credits)
+        },
         authenticated: agreed.authenticated,
     };
     let _ = stream.set_nodelay(true);
@@ -530,7 +536,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         is_dead: AtomicBool::new(false),
         stop: Notify::new(),
     });
-    let waiter = CqWaiter::new(cq)?;
+    let waiter = CqWaiter::new(cq)?.with_busy_poll(busy_poll);
     let span = info_span!("rdma_conn", peer = %peer_addr, qpn = mine.qpn, server);
     let (msg_tx, msg_rx) = mpsc::unbounded_channel();
     tokio::spawn(ctl_reader(rd, msg_tx).instrument(span.clone()));
@@ -703,11 +709,13 @@ impl Shared {
         p.qpn = st.qp.qpn();
         p.first_psn = st.next_psn;
         p.npkts = p.op.psn_count(mtu);
-        st.next_psn = (st.next_psn + p.npkts) & 0xFF_FFFF;
         st.qp.post_send(SendWr {
             wr_id,
             op: p.op.clone(),
-        })
+        })?;
+        // Only a posted request takes PSNs (a refused post sends nothing).
+        st.next_psn = (st.next_psn + p.npkts) & 0xFF_FFFF;
+        Ok(())
     }
 
     fn on_completion(&self, wc: WorkCompletion) {
@@ -1046,17 +1054,30 @@ impl Shared {
         st.gen = gen;
         st.next_psn = sq_psn;
         st.resetting = false;
+        // Re-post what is left in order, as one batch (one doorbell on a NIC).
         let mtu = self.path.mtu;
-        let ids: Vec<u64> = st.pending.keys().copied().collect();
-        for id in ids {
-            let mut p = st.pending.remove(&id).expect("present");
-            if let Err(e) = Self::post(st, mtu, id, &mut p) {
-                if let Some(r) = p.reply.take() {
-                    done.push((r, Err(e)));
+        let qpn = st.qp.qpn();
+        let mut psn = st.next_psn;
+        let mut wrs = Vec::with_capacity(st.pending.len());
+        for (id, p) in st.pending.iter_mut() {
+            p.qpn = qpn;
+            p.first_psn = psn;
+            p.npkts = p.op.psn_count(mtu);
+            psn = (psn + p.npkts) & 0xFF_FFFF;
+            wrs.push(SendWr {
+                wr_id: *id,
+                op: p.op.clone(),
+            });
+        }
+        match st.qp.post_send_batch(wrs) {
+            Ok(()) => st.next_psn = psn,
+            Err(e) => {
+                for (_, mut p) in std::mem::take(&mut st.pending) {
+                    if let Some(r) = p.reply.take() {
+                        done.push((r, Err(e.clone())));
+                    }
                 }
-                continue;
             }
-            st.pending.insert(id, p);
         }
         debug!(gen, qpn = st.qp.qpn(), "QP replaced");
         for (r, v) in done {
@@ -1326,11 +1347,16 @@ mod tests {
             assert!(e.contains(hint), "{code}: {e}");
         }
         // Distinct advice for the statuses people meet on RoCE fabrics.
-        assert!(WcStatus::from_ibv(12).hint().contains("wrong GID, or MTU mismatch"));
+        assert!(WcStatus::from_ibv(12)
+            .hint()
+            .contains("wrong GID, or MTU mismatch"));
         assert!(WcStatus::from_ibv(10).hint().contains("R_Key"));
         assert!(WcStatus::from_ibv(13).hint().contains("receive"));
         assert!(WcStatus::from_ibv(5).hint().contains("error state"));
-        assert!(matches!(status_error(WcStatus::from_ibv(12)), Error::Disconnected(_)));
+        assert!(matches!(
+            status_error(WcStatus::from_ibv(12)),
+            Error::Disconnected(_)
+        ));
         assert!(hints.len() >= 20, "{}", hints.len());
         assert_eq!(WcStatus::from_ibv(99), WcStatus::Other(99));
     }

@@ -97,12 +97,48 @@ impl RdmaTransport {
         self
     }
 
-    /// The provider new connections use.
+    /// The provider new connections use. `Auto` takes a NIC when the `hw`
+    /// feature is built in and a device opens (see [`hardware`]), else the
+    /// process-wide soft RoCE device. `RDMX_RDMA_PROVIDER=soft|hw` forces one.
     pub fn provider(&self) -> Result<Arc<dyn Provider>> {
         match &self.choice {
             Choice::Fixed(p) => Ok(p.clone()),
-            Choice::Auto => Ok(SoftRoce::global()? as Arc<dyn Provider>),
+            Choice::Auto => {
+                let want = std::env::var("RDMX_RDMA_PROVIDER").unwrap_or_default();
+                match want.as_str() {
+                    "soft" => Ok(SoftRoce::global()? as Arc<dyn Provider>),
+                    "hw" => hardware(),
+                    "" | "auto" => hardware().or_else(|e| {
+                        tracing::debug!(reason = %e, "no NIC provider: using soft RoCE");
+                        Ok(SoftRoce::global()? as Arc<dyn Provider>)
+                    }),
+                    other => Err(Error::InvalidArgument(format!(
+                        "RDMX_RDMA_PROVIDER={other}: use soft, hw or auto"
+                    ))),
+                }
+            }
         }
+    }
+}
+
+/// The process-wide NIC provider (opened once, configured from the
+/// environment: `RDMX_RDMA_DEVICE`, `RDMX_HW_*`). Fails with
+/// `Error::Unsupported("no RDMA devices …")` on hosts without a NIC or
+/// libibverbs, and when built without the `hw` feature.
+pub fn hardware() -> Result<Arc<dyn Provider>> {
+    #[cfg(feature = "hw")]
+    {
+        static HW: std::sync::OnceLock<std::result::Result<Arc<hw::HwProvider>, Error>> =
+            std::sync::OnceLock::new();
+        HW.get_or_init(|| hw::HwProvider::open(hw::HwConfig::from_env()))
+            .clone()
+            .map(|p| p as Arc<dyn Provider>)
+    }
+    #[cfg(not(feature = "hw"))]
+    {
+        Err(Error::Unsupported(
+            "no RDMA devices: rdmx was built without the `hw` feature".into(),
+        ))
     }
 }
 
@@ -114,7 +150,9 @@ async fn establish(
     server: bool,
 ) -> Result<Connection> {
     let _ = stream.set_nodelay(true);
-    let ours = Limits::from_options(&opts)?;
+    let mut ours = Limits::from_options(&opts)?;
+    // NICs pin one `max_message` buffer per receive credit.
+    ours.credits = provider.recv_credits(ours.credits, ours.max_message);
     let mut stream = stream;
     let secret = opts.secret.as_deref();
     let hs = async {
@@ -142,6 +180,7 @@ async fn establish(
         agreed,
         max_inflight: opts.max_inflight,
         connect_timeout: opts.connect_timeout,
+        busy_poll: opts.busy_poll,
         server,
     })
     .await?;

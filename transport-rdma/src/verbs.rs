@@ -325,7 +325,8 @@ pub struct WorkCompletion {
 /// A completion queue whose events can be awaited through a file descriptor
 /// (`ibv_comp_channel` on NICs).
 pub trait CompletionQueue: Send + Sync + 'static {
-    /// Move up to `max` completions into `out`; returns how many.
+    /// Move completions into `out` (about `max`: one NIC completion may also
+    /// complete unsignaled requests before it); returns how many.
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
     /// Arm: make the event fd readable at the next completion (`ibv_req_notify_cq`).
     fn req_notify(&self) -> Result<()>;
@@ -362,6 +363,16 @@ pub trait QueuePair: Send + Sync + 'static {
     fn connect(&self, peer: QpPeer, sq_psn: u32) -> Result<()>;
     /// Post a send-queue request (always signaled).
     fn post_send(&self, wr: SendWr) -> Result<()>;
+    /// Post several requests at once. NICs ring one doorbell for the batch
+    /// and signal only its last request (and those returning data); every
+    /// request still gets its completion. On a NIC a failed batch posts
+    /// nothing.
+    fn post_send_batch(&self, wrs: Vec<SendWr>) -> Result<()> {
+        for wr in wrs {
+            self.post_send(wr)?;
+        }
+        Ok(())
+    }
     /// Post a receive able to hold `max_len` bytes.
     fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()>;
     /// Current state.
@@ -421,6 +432,12 @@ pub trait Provider: Send + Sync + 'static {
     fn port_for(&self, local_ip: IpAddr, peer_ip: IpAddr) -> Result<PortInfo>;
     /// Selective repeat supported (only rdmx engines; NICs do go-back-N).
     fn selective_repeat(&self) -> bool;
+    /// Receive credits to offer when each posted receive must hold
+    /// `max_message` bytes: NICs pin that memory, so they may offer fewer
+    /// than asked. The default offers all.
+    fn recv_credits(&self, credits: u32, _max_message: u64) -> u32 {
+        credits
+    }
     /// A protection domain over `domain`'s regions.
     fn alloc_pd(&self, domain: &Domain) -> Result<Arc<dyn ProtectionDomain>>;
     /// A completion queue.
@@ -433,6 +450,49 @@ pub trait Provider: Send + Sync + 'static {
 pub struct CqWaiter {
     cq: Arc<dyn CompletionQueue>,
     fd: AsyncFd<OwnedFd>,
+    spin: Option<AdaptiveSpin>,
+}
+
+/// Adaptive busy polling: before sleeping on the event fd, poll the CQ for
+/// up to a budget. A spin that finds nothing halves the budget (idle links
+/// stop burning CPU); a sleep that ends sooner than the maximum doubles it
+/// (completions come fast, so spinning would have caught them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdaptiveSpin {
+    max: std::time::Duration,
+    budget: std::time::Duration,
+}
+
+impl AdaptiveSpin {
+    /// Spin for up to `max` at a time.
+    pub fn new(max: std::time::Duration) -> AdaptiveSpin {
+        AdaptiveSpin { max, budget: max }
+    }
+
+    /// How long to spin now.
+    pub fn budget(&self) -> std::time::Duration {
+        self.budget
+    }
+
+    /// A spin of the current budget found nothing.
+    pub fn missed(&mut self) {
+        self.budget /= 2;
+        if self.budget < std::time::Duration::from_micros(1) {
+            self.budget = std::time::Duration::ZERO;
+        }
+    }
+
+    /// A spin found a completion.
+    pub fn hit(&mut self) {
+        self.budget = self.budget.max(self.max / 4);
+    }
+
+    /// A sleep on the event fd lasted `slept`.
+    pub fn woke_after(&mut self, slept: std::time::Duration) {
+        if slept < self.max {
+            self.budget = (self.budget * 2).clamp(self.max / 8, self.max);
+        }
+    }
 }
 
 impl fmt::Debug for CqWaiter {
@@ -451,7 +511,18 @@ impl CqWaiter {
             .try_clone_to_owned()
             .and_then(crate::sys::register_fd)
             .map_err(|e| rdmx_core::Error::ResourceExhausted(format!("CQ event fd: {e}")))?;
-        Ok(CqWaiter { cq, fd })
+        Ok(CqWaiter { cq, fd, spin: None })
+    }
+
+    /// Busy-poll adaptively for up to `max` before sleeping (`None`: never).
+    pub fn with_busy_poll(mut self, max: Option<std::time::Duration>) -> CqWaiter {
+        self.spin = max.filter(|d| !d.is_zero()).map(AdaptiveSpin::new);
+        self
+    }
+
+    /// The busy-polling state, if enabled.
+    pub fn spin(&self) -> Option<AdaptiveSpin> {
+        self.spin
     }
 
     /// Wait until at least one completion is available and move up to `max` into `out`.
@@ -461,6 +532,22 @@ impl CqWaiter {
             if n > 0 {
                 return Ok(n);
             }
+            if let Some(spin) = self.spin.as_mut() {
+                let budget = spin.budget();
+                if !budget.is_zero() {
+                    let until = std::time::Instant::now() + budget;
+                    while std::time::Instant::now() < until {
+                        tokio::task::yield_now().await;
+                        let n = self.cq.poll(out, max);
+                        if n > 0 {
+                            spin.hit();
+                            return Ok(n);
+                        }
+                    }
+                    spin.missed();
+                }
+            }
+            let slept = std::time::Instant::now();
             // In-process providers wake this task directly (no fd round trip,
             // and the wake stays on the current worker).
             let cq = &self.cq;
@@ -484,7 +571,12 @@ impl CqWaiter {
             }
             match direct {
                 Some(0) => continue,
-                Some(n) => return Ok(n),
+                Some(n) => {
+                    if let Some(s) = self.spin.as_mut() {
+                        s.woke_after(slept.elapsed());
+                    }
+                    return Ok(n);
+                }
                 None => {}
             }
             self.cq.req_notify()?;
@@ -499,6 +591,42 @@ impl CqWaiter {
                 .map_err(|e| rdmx_core::Error::Disconnected(format!("CQ event fd: {e}")))?;
             self.cq.ack_events();
             guard.clear_ready();
+            if let Some(s) = self.spin.as_mut() {
+                s.woke_after(slept.elapsed());
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn busy_polling_adapts_to_traffic() {
+        let max = Duration::from_micros(64);
+        let mut s = AdaptiveSpin::new(max);
+        assert_eq!(s.budget(), max);
+        // An idle link: every spin misses, the budget drains to nothing.
+        for _ in 0..10 {
+            s.missed();
+        }
+        assert_eq!(s.budget(), Duration::ZERO);
+        // A slow sleep (idle) leaves it off.
+        s.woke_after(Duration::from_millis(5));
+        assert_eq!(s.budget(), Duration::ZERO);
+        // Completions arrive soon after sleeping: spinning comes back, and grows.
+        s.woke_after(Duration::from_micros(10));
+        assert_eq!(s.budget(), max / 8);
+        s.woke_after(Duration::from_micros(10));
+        assert_eq!(s.budget(), max / 4);
+        for _ in 0..5 {
+            s.woke_after(Duration::from_micros(10));
+        }
+        assert_eq!(s.budget(), max, "capped");
+        s.missed();
+        s.hit();
+        assert_eq!(s.budget(), max / 2);
     }
 }

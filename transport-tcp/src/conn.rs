@@ -136,6 +136,7 @@ pub(crate) fn capabilities(max_message: u64, max_inflight: u32, credits: u32) ->
         max_rdma_size: MAX_RDMA_SIZE,
         max_inflight,
         recv_credits: credits,
+        counts_remote_ops: true,
     }
 }
 

@@ -74,7 +74,8 @@ pub fn gid_of(ip: IpAddr) -> [u8; 16] {
 /// is decided per region by its R_Key (IBTA vol. 1 ch. 10, memory
 /// protection), the QP allows all.
 /// Values are `ibv_access_flags`.
-pub const QP_ACCESS: u32 = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_REMOTE_ATOMIC;
+pub const QP_ACCESS: u32 =
+    ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_REMOTE_ATOMIC;
 /// `IBV_ACCESS_LOCAL_WRITE`.
 pub const ACCESS_LOCAL_WRITE: u32 = 1;
 /// `IBV_ACCESS_REMOTE_WRITE`.
@@ -337,13 +338,21 @@ mod tests {
         assert!(matches!(e, Error::Unsupported(_)));
         assert!(e.to_string().contains("no RDMA devices"), "{e}");
         let e = choose_device(Ok(vec![]), Some("mlx5_0")).unwrap_err();
-        assert_eq!(e.to_string(), Error::Unsupported("no RDMA devices".into()).to_string());
+        assert_eq!(
+            e.to_string(),
+            Error::Unsupported("no RDMA devices".into()).to_string()
+        );
         let two = || Ok(vec!["mlx5_0".to_string(), "mlx5_1".to_string()]);
         assert_eq!(choose_device(two(), None).unwrap(), "mlx5_0");
         assert_eq!(choose_device(two(), Some("mlx5_1")).unwrap(), "mlx5_1");
         assert_eq!(choose_device(two(), Some("")).unwrap(), "mlx5_0");
-        let e = choose_device(two(), Some("bnxt_re0")).unwrap_err().to_string();
-        assert!(e.contains("RDMX_RDMA_DEVICE=bnxt_re0") && e.contains("mlx5_0, mlx5_1"), "{e}");
+        let e = choose_device(two(), Some("bnxt_re0"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RDMX_RDMA_DEVICE=bnxt_re0") && e.contains("mlx5_0, mlx5_1"),
+            "{e}"
+        );
     }
 
     fn peer(ip: &str, mtu: u32) -> QpPeer {
@@ -371,7 +380,14 @@ mod tests {
             ..QpOptions::default()
         };
         let p = qp_plan(&peer("198.18.0.2", 1024), 0x42, &opts, &PORT).unwrap();
-        assert_eq!(p.init, InitAttrs { port: 1, pkey_index: 0, access: 15 });
+        assert_eq!(
+            p.init,
+            InitAttrs {
+                port: 1,
+                pkey_index: 0,
+                access: 15
+            }
+        );
         assert_eq!(p.rtr.path_mtu, 3);
         assert_eq!((p.rtr.dest_qpn, p.rtr.rq_psn), (0x1234, 0xABCDEF));
         assert_eq!(
@@ -379,12 +395,28 @@ mod tests {
             [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 198, 18, 0, 2],
             "IPv4-mapped GID"
         );
-        assert_eq!((p.rtr.sgid_index, p.rtr.port, p.rtr.traffic_class), (3, 1, 106));
+        assert_eq!(
+            (p.rtr.sgid_index, p.rtr.port, p.rtr.traffic_class),
+            (3, 1, 106)
+        );
         assert_eq!(p.rts.sq_psn, 0x42);
-        assert_eq!((p.rts.timeout, p.rts.retry_cnt, p.rts.rnr_retry), (10, 7, 7));
-        assert_eq!((p.rtr.max_dest_rd_atomic, p.rts.max_rd_atomic), (16, 16), "device limit");
+        assert_eq!(
+            (p.rts.timeout, p.rts.retry_cnt, p.rts.rnr_retry),
+            (10, 7, 7)
+        );
+        assert_eq!(
+            (p.rtr.max_dest_rd_atomic, p.rts.max_rd_atomic),
+            (16, 16),
+            "device limit"
+        );
         let v6 = qp_plan(&peer("2001:db8::7", 4096), 1, &opts, &PORT).unwrap();
-        assert_eq!(v6.rtr.dgid, "2001:db8::7".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        assert_eq!(
+            v6.rtr.dgid,
+            "2001:db8::7"
+                .parse::<std::net::Ipv6Addr>()
+                .unwrap()
+                .octets()
+        );
         assert_eq!(v6.rtr.path_mtu, 5);
     }
 
@@ -402,7 +434,13 @@ mod tests {
             ..QpOptions::default()
         };
         assert!(qp_plan(&peer("198.18.0.2", 1024), 0, &r, &PORT).is_err());
-        assert!(qp_plan(&peer("198.18.0.2", 1024), 1 << 24, &QpOptions::default(), &PORT).is_err());
+        assert!(qp_plan(
+            &peer("198.18.0.2", 1024),
+            1 << 24,
+            &QpOptions::default(),
+            &PORT
+        )
+        .is_err());
     }
 
     #[test]
@@ -424,8 +462,14 @@ mod tests {
         let host = AtomicReply::for_device("bnxt_re0", None);
         assert_eq!(host, AtomicReply::Host);
         assert_eq!(host.decode(v.to_ne_bytes()), v);
-        assert_eq!(AtomicReply::for_device("mlx5_0", Some("host")), AtomicReply::Host);
-        assert_eq!(AtomicReply::for_device("rxe0", Some("be")), AtomicReply::BigEndian);
+        assert_eq!(
+            AtomicReply::for_device("mlx5_0", Some("host")),
+            AtomicReply::Host
+        );
+        assert_eq!(
+            AtomicReply::for_device("rxe0", Some("be")),
+            AtomicReply::BigEndian
+        );
     }
 
     fn send(n: usize) -> SendOp {
@@ -440,14 +484,25 @@ mod tests {
         assert_eq!(data_path(&send(64), 64), DataPath::Inline);
         assert_eq!(data_path(&send(65), 64), DataPath::Staged);
         assert_eq!(data_path(&send(0), 0), DataPath::Inline);
-        let r = RemoteRegion { addr: 0, len: 8, rkey: 1 };
+        let r = RemoteRegion {
+            addr: 0,
+            len: 8,
+            rkey: 1,
+        };
         assert_eq!(data_path(&SendOp::Read { src: r }, 64), DataPath::None);
-        assert_eq!(data_path(&SendOp::FetchAdd { dst: r, add: 1 }, 64), DataPath::None);
+        assert_eq!(
+            data_path(&SendOp::FetchAdd { dst: r, add: 1 }, 64),
+            DataPath::None
+        );
     }
 
     #[test]
     fn selective_signaling_plan() {
-        let r = RemoteRegion { addr: 0, len: 8, rkey: 1 };
+        let r = RemoteRegion {
+            addr: 0,
+            len: 8,
+            rkey: 1,
+        };
         let batch: Vec<SendOp> = (0..10).map(|_| send(8)).collect();
         let p = signal_plan(&batch, 4);
         assert_eq!(
@@ -465,7 +520,15 @@ mod tests {
         assert_eq!(hw_recv_credits(256, 16 << 20, 64 << 20), 4);
         assert_eq!(hw_recv_credits(256, 64 << 10, 64 << 20), 256);
         assert_eq!(hw_recv_credits(256, 1 << 20, 64 << 20), 64);
-        assert_eq!(hw_recv_credits(256, 1 << 30, 64 << 20), 4, "protocol minimum");
-        assert_eq!(hw_recv_credits(2, 1 << 30, 64 << 20), 2, "never above the ask");
+        assert_eq!(
+            hw_recv_credits(256, 1 << 30, 64 << 20),
+            4,
+            "protocol minimum"
+        );
+        assert_eq!(
+            hw_recv_credits(2, 1 << 30, 64 << 20),
+            2,
+            "never above the ask"
+        );
     }
 }

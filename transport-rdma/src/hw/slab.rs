@@ -9,7 +9,6 @@
 //! module of the provider that touches raw memory (besides the verbs calls).
 #![allow(unsafe_code)]
 
-
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -260,7 +259,9 @@ impl Slot {
 
     /// The first 8 bytes (an atomic's original value).
     pub fn word(&self) -> [u8; 8] {
-        self.bytes()[..8].try_into().expect("slots hold at least 256 bytes")
+        self.bytes()[..8]
+            .try_into()
+            .expect("slots hold at least 256 bytes")
     }
 
     /// The first `len` bytes as `Bytes`, without copying: the slot goes back
@@ -319,7 +320,10 @@ mod tests {
             assert_eq!(addr % 4096, 0, "page aligned");
             assert!(len >= CHUNK);
             self.live.lock().insert(addr);
-            Ok((addr as u32 ^ 0x5a5a, Box::new(Guard(self.live.clone(), addr))))
+            Ok((
+                addr as u32 ^ 0x5a5a,
+                Box::new(Guard(self.live.clone(), addr)),
+            ))
         }
     }
 
@@ -328,14 +332,27 @@ mod tests {
         let reg = Arc::new(Counting::default());
         let pool = BufPool::new(reg.clone());
         pool.reserve(4096, 16).unwrap();
-        assert_eq!(pool.registrations(), 1, "one 2 MiB chunk holds 512 slots of 4 KiB");
+        assert_eq!(
+            pool.registrations(),
+            1,
+            "one 2 MiB chunk holds 512 slots of 4 KiB"
+        );
         let mut seen = HashSet::new();
         let slots: Vec<Slot> = (0..16).map(|_| pool.take(3000).unwrap()).collect();
         for s in &slots {
             assert_eq!(s.capacity(), 4096);
             assert!(seen.insert(s.addr()), "distinct slots");
-            let chunk = reg.live.lock().iter().copied().find(|&a| (a..a + CHUNK as u64).contains(&s.addr()));
-            assert_eq!(Some(s.lkey()), chunk.map(|a| a as u32 ^ 0x5a5a), "the chunk's key");
+            let chunk = reg
+                .live
+                .lock()
+                .iter()
+                .copied()
+                .find(|&a| (a..a + CHUNK as u64).contains(&s.addr()));
+            assert_eq!(
+                Some(s.lkey()),
+                chunk.map(|a| a as u32 ^ 0x5a5a),
+                "the chunk's key"
+            );
         }
         drop(slots);
         for _ in 0..1000 {
@@ -347,7 +364,10 @@ mod tests {
         assert_eq!(pool.registrations(), 2);
         drop(big);
         drop(pool);
-        assert!(reg.live.lock().is_empty(), "all deregistered when the pool goes");
+        assert!(
+            reg.live.lock().is_empty(),
+            "all deregistered when the pool goes"
+        );
     }
 
     #[test]

@@ -188,7 +188,15 @@ mod tests {
         let live = Arc::new(AtomicUsize::new(0));
         let mut sq = SendTrack::new(8);
         let ids: Vec<u64> = (0..5)
-            .map(|i| sq.push(100 + i, WcOpcode::Write, 10, i == 2 || i == 4, Buf::new(&live)))
+            .map(|i| {
+                sq.push(
+                    100 + i,
+                    WcOpcode::Write,
+                    10,
+                    i == 2 || i == 4,
+                    Buf::new(&live),
+                )
+            })
             .collect();
         assert_eq!(live.load(Ordering::SeqCst), 5, "buffers kept while posted");
         assert!(sq.has_room(3) && !sq.has_room(4));
@@ -196,11 +204,18 @@ mod tests {
         let got: Vec<(u64, WcStatus)> = done.iter().map(|(p, s)| (p.wr_id, *s)).collect();
         assert_eq!(
             got,
-            [(100, WcStatus::Success), (101, WcStatus::Success), (102, WcStatus::Success)]
+            [
+                (100, WcStatus::Success),
+                (101, WcStatus::Success),
+                (102, WcStatus::Success)
+            ]
         );
         drop(done);
         assert_eq!(live.load(Ordering::SeqCst), 2, "released at completion");
-        assert!(sq.complete(ids[2], WcStatus::Success).is_empty(), "no double completion");
+        assert!(
+            sq.complete(ids[2], WcStatus::Success).is_empty(),
+            "no double completion"
+        );
         assert_eq!(sq.complete(ids[4], WcStatus::Success).len(), 2);
         assert_eq!(sq.outstanding(), 0);
         assert_eq!(live.load(Ordering::SeqCst), 0);

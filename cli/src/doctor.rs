@@ -92,7 +92,31 @@ const TROUBLE: &[(&str, &str)] = &[
 ];
 
 /// Build the report from `sysfs` and `procfs` roots.
-pub(crate) fn report(sysfs_root: &Path, procfs: &Path) -> Report {
+/// What the NIC provider of this build can do on this host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Hw {
+    /// Built without the `hw` feature.
+    NotBuilt,
+    /// Built in, but no device opens (why).
+    Unusable(String),
+    /// Built in; this device opens.
+    Opened(String),
+}
+
+impl Hw {
+    /// Ask the real NIC provider.
+    pub(crate) fn probe() -> Hw {
+        if !cfg!(feature = "hw") {
+            return Hw::NotBuilt;
+        }
+        match rdmx_transport_rdma::hardware() {
+            Ok(p) => Hw::Opened(p.device_name()),
+            Err(e) => Hw::Unusable(e.to_string()),
+        }
+    }
+}
+
+pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
     let devices = sysfs::devices(sysfs_root);
     let mut findings = Vec::new();
     let mut f = |level, what: String, advice: &str| {
@@ -102,21 +126,44 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path) -> Report {
             advice: advice.to_string(),
         })
     };
-    let provider = if devices.is_empty() {
-        f(
-            "info",
-            "no RDMA devices".into(),
-            "rdma:// runs on rdmx's soft RoCE provider (userspace RoCEv2 over UDP 4791); \
-             policy `prefer` falls back to TCP only if that fails",
-        );
-        "soft-roce (no RDMA devices on this host)".to_string()
-    } else {
-        f(
-            "info",
-            format!("{} RDMA device(s)", devices.len()),
-            "this build has no NIC provider yet (the `hw` feature); rdma:// uses soft RoCE",
-        );
-        "soft-roce (NIC provider not built in)".to_string()
+    let provider = match (devices.is_empty(), hw) {
+        (true, _) => {
+            f(
+                "info",
+                "no RDMA devices".into(),
+                "rdma:// runs on rdmx's soft RoCE provider (userspace RoCEv2 over UDP 4791); \
+                 policy `prefer` falls back to TCP only if that fails",
+            );
+            "soft-roce (no RDMA devices on this host)".to_string()
+        }
+        (false, Hw::NotBuilt) => {
+            f(
+                "warn",
+                format!(
+                    "{} RDMA device(s), but no NIC provider in this build",
+                    devices.len()
+                ),
+                "rebuild with `--features hw` (needs cmake and libclang) to use the NIC; \
+                 rdma:// uses soft RoCE meanwhile",
+            );
+            "soft-roce (NIC provider not built in: build with --features hw)".to_string()
+        }
+        (false, Hw::Unusable(why)) => {
+            f(
+                "warn",
+                format!("{} RDMA device(s), but the NIC provider cannot open one", devices.len()),
+                &format!("{why}; rdma:// uses soft RoCE meanwhile (check libibverbs and the provider package, e.g. ibverbs-providers)"),
+            );
+            "soft-roce (NIC provider failed to open a device)".to_string()
+        }
+        (false, Hw::Opened(dev)) => {
+            f(
+                "info",
+                format!("{} RDMA device(s); rdma:// uses {dev}", devices.len()),
+                "pick another with RDMX_RDMA_DEVICE=<name>, or force soft RoCE with RDMX_RDMA_PROVIDER=soft",
+            );
+            format!("hw ({dev}, through libibverbs)")
+        }
     };
     for d in &devices {
         for p in &d.ports {
@@ -186,10 +233,20 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path) -> Report {
     }
     let memlock_bytes = memlock(procfs);
     if let Some(m) = memlock_bytes {
-        if !devices.is_empty() && m < 64 << 20 {
+        // Each NIC connection pins its receive budget (64 MiB by default,
+        // RDMX_HW_RECV_BUDGET) plus the registered regions and staging buffers.
+        let budget: u64 = std::env::var("RDMX_HW_RECV_BUDGET")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64 << 20);
+        if !devices.is_empty() && m < budget + (16 << 20) {
             f(
                 "warn",
-                format!("memlock limit is {} KiB", m >> 10),
+                format!(
+                    "memlock limit is {} KiB: less than one NIC connection's receive budget ({} MiB) plus staging buffers",
+                    m >> 10,
+                    budget >> 20
+                ),
                 "NIC memory registration pins pages: raise it (ulimit -l unlimited, or LimitMEMLOCK= in the unit)",
             );
         }
@@ -214,7 +271,7 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path) -> Report {
 }
 
 pub(crate) fn run(a: DoctorArgs) -> Result<(), Error> {
-    let r = report(&a.sysfs, &a.procfs);
+    let r = report(&a.sysfs, &a.procfs, Hw::probe());
     if a.json {
         println!(
             "{}",
@@ -289,7 +346,7 @@ mod tests {
     fn a_host_without_rdma_names_the_fallback() {
         let (s, p) = (tmp("s0"), tmp("p0"));
         proc_tree(&p, 8192, 212_992);
-        let r = report(&s, &p);
+        let r = report(&s, &p, Hw::NotBuilt);
         assert!(r.devices.is_empty());
         assert!(r.provider.contains("no RDMA devices"));
         assert!(r
@@ -330,7 +387,7 @@ mod tests {
         counter(&s, "mlx5_0", 1, true, "np_cnp_sent", 0);
         std::fs::create_dir_all(s.join("class/net/eth0/ecn/roce_np/enable")).unwrap();
         std::fs::write(s.join("class/net/eth0/ecn/roce_np/enable/3"), "0\n").unwrap();
-        let r = report(&s, &p);
+        let r = report(&s, &p, Hw::NotBuilt);
         let has = |w: &str| r.findings.iter().any(|f| f.what.contains(w));
         assert!(has("mlx5_1 port 1 is 1: DOWN"));
         assert!(has("no RoCE v2 GID"));
@@ -343,5 +400,20 @@ mod tests {
         // JSON serialises.
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["devices"].as_array().unwrap().len(), 2);
+        assert!(
+            r.provider.contains("build with --features hw"),
+            "{}",
+            r.provider
+        );
+        // The same host with the NIC provider built in, failing or working.
+        let r = report(&s, &p, Hw::Unusable("no RDMA devices (ENOSYS)".into()));
+        assert!(r.provider.contains("failed to open"), "{}", r.provider);
+        assert!(r.findings.iter().any(|f| f.advice.contains("ENOSYS")));
+        let r = report(&s, &p, Hw::Opened("mlx5_0".into()));
+        assert_eq!(r.provider, "hw (mlx5_0, through libibverbs)");
+        assert!(r
+            .findings
+            .iter()
+            .any(|f| f.advice.contains("RDMX_RDMA_DEVICE")));
     }
 }

@@ -210,6 +210,31 @@ pub fn choose_gid(devs: &[Device], local_ip: IpAddr) -> Option<GidChoice> {
         })
 }
 
+/// The GID a person named (`RDMX_RDMA_GID_INDEX`, optionally with
+/// `RDMX_RDMA_PORT`) on device `dev`, whatever its type or address: an
+/// override for fabrics the automatic choice gets wrong. `None` if that
+/// index does not exist on an active port.
+pub fn gid_by_index(
+    devs: &[Device],
+    dev: &str,
+    index: u32,
+    port: Option<u32>,
+) -> Option<GidChoice> {
+    devs.iter()
+        .filter(|d| d.name == dev)
+        .flat_map(|d| d.ports.iter().map(move |p| (d, p)))
+        .filter(|(_, p)| p.is_active() && port.is_none_or(|n| n == p.num))
+        .flat_map(|(d, p)| p.gids.iter().map(move |g| (d, p, g)))
+        .find(|(_, _, g)| g.index == index)
+        .map(|(d, p, g)| GidChoice {
+            device: d.name.clone(),
+            port: p.num,
+            index: g.index,
+            addr: g.addr,
+            mtu: p.active_mtu,
+        })
+}
+
 /// Test helper and documentation of the layout: write a fake sysfs device.
 pub mod fake {
     use std::fs;
@@ -359,5 +384,17 @@ mod tests {
         let c = choose_gid(&devs, "fe80::a00:27ff:fe12:3456".parse().unwrap()).unwrap();
         assert_eq!(c.index, 1);
         assert_eq!(choose_gid(&devs, "198.18.9.9".parse().unwrap()), None);
+
+        // Overrides take the named index as it is (even a v1 GID), on an
+        // active port of the named device only.
+        let c = gid_by_index(&devs, "mlx5_0", 2, None).unwrap();
+        assert_eq!(
+            (c.port, c.index, c.addr),
+            (1, 2, "198.18.0.1".parse().unwrap())
+        );
+        assert_eq!(gid_by_index(&devs, "mlx5_0", 4, Some(1)).unwrap().index, 4);
+        assert_eq!(gid_by_index(&devs, "mlx5_0", 4, Some(2)), None, "no port 2");
+        assert_eq!(gid_by_index(&devs, "mlx5_0", 9, None), None);
+        assert_eq!(gid_by_index(&devs, "mlx5_1", 3, None), None, "port down");
     }
 }

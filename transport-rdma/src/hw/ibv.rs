@@ -64,6 +64,10 @@ pub struct HwConfig {
     pub sysfs_root: PathBuf,
     /// Atomic reply layout override (`RDMX_HW_ATOMIC_REPLY=host|be`).
     pub atomic_reply: Option<String>,
+    /// Use this GID index instead of choosing one (`RDMX_RDMA_GID_INDEX`).
+    pub gid_index: Option<u32>,
+    /// With `gid_index`: on this port (`RDMX_RDMA_PORT`).
+    pub port: Option<u32>,
 }
 
 impl HwConfig {
@@ -83,6 +87,8 @@ impl HwConfig {
                 .unwrap_or(64 << 20),
             sysfs_root: PathBuf::from("/sys/class/infiniband"),
             atomic_reply: var("RDMX_HW_ATOMIC_REPLY"),
+            gid_index: var("RDMX_RDMA_GID_INDEX").and_then(|v| v.parse().ok()),
+            port: var("RDMX_RDMA_PORT").and_then(|v| v.parse().ok()),
         }
     }
 }
@@ -143,26 +149,8 @@ impl HwProvider {
         }))
     }
 
-    /// Where `local_ip` is on this NIC: port, GID index and MTU (from sysfs).
     fn local_port(&self, local_ip: IpAddr) -> Result<(LocalPort, sysfs::GidChoice)> {
-        let devs: Vec<sysfs::Device> = sysfs::devices(&self.cfg.sysfs_root)
-            .into_iter()
-            .filter(|d| d.name == self.name)
-            .collect();
-        let choice = sysfs::choose_gid(&devs, local_ip).ok_or_else(|| {
-            Error::Connect(format!(
-                "{} has no active RoCEv2 GID for local address {local_ip}: connect through an \
-                 address of the NIC's interface (`rdmx doctor` lists them)",
-                self.name
-            ))
-        })?;
-        let port = LocalPort {
-            port: choice.port as u8,
-            gid_index: choice.index as u8,
-            max_rd_atomic: self.max_rd_atomic,
-            traffic_class: self.cfg.traffic_class,
-        };
-        Ok((port, choice))
+        local_port(&self.name, &self.cfg, self.max_rd_atomic, local_ip)
     }
 
     /// Receive credits that fit the pinned-memory budget.
@@ -244,6 +232,45 @@ impl Provider for HwProvider {
             reply: self.reply,
         }))
     }
+}
+
+/// Where `local_ip` is on NIC `name`: port, GID index and MTU, from sysfs
+/// (the RoCEv2 GID of that address, or the configured GID index).
+fn local_port(
+    name: &str,
+    cfg: &HwConfig,
+    max_rd_atomic: u32,
+    local_ip: IpAddr,
+) -> Result<(LocalPort, sysfs::GidChoice)> {
+    let devs = sysfs::devices(&cfg.sysfs_root);
+    let choice = match cfg.gid_index {
+        Some(i) => sysfs::gid_by_index(&devs, name, i, cfg.port).ok_or_else(|| {
+            Error::Connect(format!(
+                "{name} has no GID index {i} on an active port (RDMX_RDMA_GID_INDEX)"
+            ))
+        })?,
+        None => sysfs::choose_gid(
+            &devs
+                .into_iter()
+                .filter(|d| d.name == name)
+                .collect::<Vec<_>>(),
+            local_ip,
+        )
+        .ok_or_else(|| {
+            Error::Connect(format!(
+                "{name} has no active RoCEv2 GID for local address {local_ip}: connect through \
+                 an address of the NIC's interface (`rdmx doctor` lists them), or name one \
+                 with RDMX_RDMA_GID_INDEX"
+            ))
+        })?,
+    };
+    let port = LocalPort {
+        port: choice.port as u8,
+        gid_index: choice.index as u8,
+        max_rd_atomic,
+        traffic_class: cfg.traffic_class,
+    };
+    Ok((port, choice))
 }
 
 /// What a QP needs of its provider (without keeping the device list alive).
@@ -542,22 +569,6 @@ impl HwQp {
         })
     }
 
-    fn local_port(&self, local: IpAddr) -> Result<LocalPort> {
-        let devs: Vec<sysfs::Device> = sysfs::devices(&self.prov.cfg.sysfs_root)
-            .into_iter()
-            .filter(|d| d.name == self.prov.name)
-            .collect();
-        let c = sysfs::choose_gid(&devs, local).ok_or_else(|| {
-            Error::Connect(format!("{} has no RoCEv2 GID for {local}", self.prov.name))
-        })?;
-        Ok(LocalPort {
-            port: c.port as u8,
-            gid_index: c.index as u8,
-            max_rd_atomic: self.prov.max_rd_atomic,
-            traffic_class: self.prov.cfg.traffic_class,
-        })
-    }
-
     /// Buffer and inline decision for one request.
     fn stage(&self, op: &SendOp) -> Result<(DataPath, Option<Slot>)> {
         let path = plan::data_path(op, self.prov.cfg.max_inline);
@@ -585,7 +596,12 @@ impl QueuePair for HwQp {
     }
 
     fn connect(&self, peer: QpPeer, sq_psn: u32) -> Result<()> {
-        let local = self.local_port(peer.local)?;
+        let (local, _) = local_port(
+            &self.prov.name,
+            &self.prov.cfg,
+            self.prov.max_rd_atomic,
+            peer.local,
+        )?;
         let p = plan::qp_plan(&peer, sq_psn, &self.opts, &local)?;
         let mut init = QueuePairAttribute::new();
         init.setup_state(QueuePairState::Init)

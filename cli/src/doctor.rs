@@ -127,12 +127,19 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
         })
     };
     let provider = match (devices.is_empty(), hw) {
-        (true, _) => {
+        (true, hw) => {
+            let nic = match hw {
+                Hw::NotBuilt => "this build has no NIC provider (feature hw)".to_string(),
+                Hw::Unusable(why) => format!("the NIC provider says: {why}"),
+                Hw::Opened(dev) => format!("yet the NIC provider opened {dev}"),
+            };
             f(
                 "info",
                 "no RDMA devices".into(),
-                "rdma:// runs on rdmx's soft RoCE provider (userspace RoCEv2 over UDP 4791); \
-                 policy `prefer` falls back to TCP only if that fails",
+                &format!(
+                    "rdma:// runs on rdmx's soft RoCE provider (userspace RoCEv2 over UDP 4791); \
+                     policy `prefer` falls back to TCP only if that fails; {nic}"
+                ),
             );
             "soft-roce (no RDMA devices on this host)".to_string()
         }

@@ -501,6 +501,21 @@ impl Qp {
         Ok(())
     }
 
+    /// Set the requester's timers before the QP sends (`ibv_modify_qp` to RTS
+    /// carries them, IBTA vol. 1 ch. 11): ACK timeout exponent (0..=31,
+    /// 0 disables), retry count and RNR retry count (0..=7; 7 RNR = infinite).
+    pub fn set_timers(&mut self, timeout: u8, retry_cnt: u8, rnr_retry: u8) -> Result<(), QpError> {
+        if !matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(QpError::State(self.state));
+        }
+        self.cfg.timeout = timeout.min(31);
+        self.cfg.retry_cnt = retry_cnt.min(7);
+        self.cfg.rnr_retry = rnr_retry.min(7);
+        self.retry_left = self.cfg.retry_cnt;
+        self.rnr_left = self.cfg.rnr_retry;
+        Ok(())
+    }
+
     /// Gather READ data in buffers from `b` (e.g. a pool) instead of fresh allocations.
     pub fn set_read_buffers(&mut self, b: ReadBuffers) {
         self.read_buffers = b;

@@ -1,7 +1,9 @@
 //! One rdmx connection over an RC queue pair, bootstrapped over TCP.
 //!
 //! ```text
-//! TCP:  handshake (magic, version, limits, auth)  ─> PARAMS (QPN, PSN, GID, UDP port, MTU, SR)
+//! TCP:  handshake (magic, version, limits, auth)  ─> PARAMS (version 2, 40 B: QPN, PSN, GID,
+//!       UDP port, MTU, SR, ACK timeout, retry and RNR retry counts; both ends use the
+//!       smaller MTU and the more patient timers)
 //!       ─> READY; then the TCP stream stays as the control channel:
 //!       CREDIT (receives re-posted), CLASSIFY (why was an access refused?),
 //!       RESET / RESET_ACK / NEED_RESET (replace a QP that went to ERROR), CLOSE.
@@ -35,13 +37,13 @@ use tracing::{debug, info_span, warn, Instrument};
 
 use crate::verbs::{
     CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind, QpOptions, QpPeer,
-    QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// Version of the RDMA bootstrap (PARAMS and control messages).
-pub const RDMA_VERSION: u16 = 1;
+pub const RDMA_VERSION: u16 = 2;
 const PARAMS_MAGIC: &[u8; 4] = b"RDMA";
-const PARAMS_LEN: usize = 36;
+const PARAMS_LEN: usize = 40;
 const FLAG_SR: u16 = 1;
 const RECV_BIT: u64 = 1 << 63;
 /// Largest single READ/WRITE (the RETH DMA length is 32 bits; 2^31 as rxe).
@@ -57,6 +59,7 @@ pub(crate) struct Params {
     pub(crate) udp_port: u16,
     pub(crate) mtu: u32,
     pub(crate) gid: IpAddr,
+    pub(crate) timers: QpTimers,
 }
 
 impl Params {
@@ -74,23 +77,33 @@ impl Params {
             IpAddr::V6(a) => a,
         };
         b.put_slice(&gid.octets());
-        b.try_into().expect("36 bytes")
+        b.put_u8(self.timers.timeout);
+        b.put_u8(self.timers.retry_cnt);
+        b.put_u8(self.timers.rnr_retry);
+        b.put_u8(0);
+        b.try_into().expect("40 bytes")
     }
 
-    fn decode(b: &[u8; PARAMS_LEN]) -> Result<Params> {
+    /// Check magic and version (the first 6 bytes).
+    fn check_header(b: &[u8]) -> Result<u16> {
         if &b[..4] != PARAMS_MAGIC {
             return Err(Error::Protocol(
                 "peer is not an rdmx RDMA endpoint (is it listening with tcp://?)".into(),
             ));
         }
-        let mut r = &b[4..];
-        let version = r.get_u16_le();
+        let version = u16::from_le_bytes([b[4], b[5]]);
         if version != RDMA_VERSION {
             return Err(Error::VersionMismatch {
                 local: RDMA_VERSION,
                 peer: version,
             });
         }
+        Ok(version)
+    }
+
+    fn decode(b: &[u8; PARAMS_LEN]) -> Result<Params> {
+        let version = Self::check_header(&b[..6])?;
+        let mut r = &b[6..];
         let flags = r.get_u16_le();
         let qpn = r.get_u32_le() & 0xFF_FFFF;
         let psn = r.get_u32_le() & 0xFF_FFFF;
@@ -101,6 +114,16 @@ impl Params {
         if !matches!(mtu, 256 | 512 | 1024 | 2048 | 4096) {
             return Err(Error::Protocol(format!("peer offered path MTU {mtu}")));
         }
+        let timers = QpTimers {
+            timeout: r.get_u8(),
+            retry_cnt: r.get_u8(),
+            rnr_retry: r.get_u8(),
+        };
+        if timers.timeout > 31 || timers.retry_cnt > 7 || timers.rnr_retry > 7 {
+            return Err(Error::Protocol(format!(
+                "peer offered QP timers {timers:?}"
+            )));
+        }
         Ok(Params {
             version,
             selective_repeat: flags & FLAG_SR != 0,
@@ -109,6 +132,7 @@ impl Params {
             udp_port,
             mtu,
             gid: IpAddr::V6(g.into()).to_canonical(),
+            timers,
         })
     }
 }
@@ -443,6 +467,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         udp_port: port.udp_port,
         mtu: port.mtu,
         gid: port.gid,
+        timers: QpTimers::of(&qp_opts),
     };
     let exchange = async {
         let mut theirs = [0u8; PARAMS_LEN];
@@ -450,8 +475,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         // The server connects its QP before answering and the client before
         // READY, so no packet reaches a QP that cannot take it yet.
         if server {
-            stream.read_exact(&mut theirs).await.map_err(io)?;
-            let peer = Params::decode(&theirs)?;
+            let peer = read_params(&mut stream, &mut theirs).await?;
             let path = connect_qp(&*qp, &mine, &peer, local_ip)?;
             stream.write_all(&mine.encode()).await.map_err(io)?;
             let mut ready = [0u8; 1];
@@ -459,8 +483,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             Ok::<_, Error>((peer, path))
         } else {
             stream.write_all(&mine.encode()).await.map_err(io)?;
-            stream.read_exact(&mut theirs).await.map_err(io)?;
-            let peer = Params::decode(&theirs)?;
+            let peer = read_params(&mut stream, &mut theirs).await?;
             let path = connect_qp(&*qp, &mine, &peer, local_ip)?;
             stream.write_all(&[1]).await.map_err(io)?;
             Ok((peer, path))
@@ -552,6 +575,16 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     Ok(RdmaConnection { sh })
 }
 
+/// Read the peer's PARAMS: magic and version first, so a peer of another
+/// version (whose PARAMS may be shorter) gets a clear mismatch, not a hang.
+async fn read_params(stream: &mut TcpStream, buf: &mut [u8; PARAMS_LEN]) -> Result<Params> {
+    let io = |e: std::io::Error| Error::Disconnected(format!("RDMA bootstrap: {e}"));
+    stream.read_exact(&mut buf[..6]).await.map_err(io)?;
+    Params::check_header(&buf[..6])?;
+    stream.read_exact(&mut buf[6..]).await.map_err(io)?;
+    Params::decode(buf)
+}
+
 fn connect_qp(qp: &dyn QueuePair, mine: &Params, peer: &Params, local: IpAddr) -> Result<QpPeer> {
     let path = QpPeer {
         local,
@@ -560,6 +593,7 @@ fn connect_qp(qp: &dyn QueuePair, mine: &Params, peer: &Params, local: IpAddr) -
         addr: SocketAddr::new(peer.gid, peer.udp_port),
         mtu: mine.mtu.min(peer.mtu),
         selective_repeat: mine.selective_repeat && peer.selective_repeat,
+        timers: mine.timers.agree(peer.timers),
     };
     qp.connect(path, mine.psn)?;
     Ok(path)
@@ -1275,21 +1309,68 @@ mod tests {
             udp_port: 4791,
             mtu: 4096,
             gid: "198.18.0.1".parse().unwrap(),
+            timers: QpTimers {
+                timeout: 14,
+                retry_cnt: 6,
+                rnr_retry: 7,
+            },
         };
         let b = p.encode();
         assert_eq!(Params::decode(&b).unwrap(), p);
         let mut bad = b;
         bad[0] = b'X';
         assert!(matches!(Params::decode(&bad), Err(Error::Protocol(_))));
-        let mut v2 = b;
-        v2[4] = 2;
+        let mut v1 = b;
+        v1[4] = 1;
         assert!(matches!(
-            Params::decode(&v2),
-            Err(Error::VersionMismatch { local: 1, peer: 2 })
+            Params::decode(&v1),
+            Err(Error::VersionMismatch { local: 2, peer: 1 })
+        ));
+        assert!(matches!(
+            Params::check_header(&v1[..6]),
+            Err(Error::VersionMismatch { local: 2, peer: 1 })
         ));
         let mut mtu = b;
         mtu[18..20].copy_from_slice(&1500u16.to_le_bytes());
         assert!(matches!(Params::decode(&mtu), Err(Error::Protocol(_))));
+        for (at, v) in [(36, 32u8), (37, 8), (38, 8)] {
+            let mut t = b;
+            t[at] = v;
+            assert!(
+                matches!(Params::decode(&t), Err(Error::Protocol(_))),
+                "{at}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_older_peer_gets_a_version_mismatch_not_a_hang() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let old_peer = tokio::spawn(async move {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            // A version-1 PARAMS was 36 bytes; then it waits for ours.
+            let mut v1 = [0u8; 36];
+            v1[..4].copy_from_slice(PARAMS_MAGIC);
+            v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+            s.write_all(&v1).await.unwrap();
+            let mut b = [0u8; 1];
+            let _ = s.read(&mut b).await;
+        });
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = [0u8; PARAMS_LEN];
+        let r = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            read_params(&mut s, &mut buf),
+        )
+        .await
+        .expect("no hang");
+        assert!(matches!(
+            r,
+            Err(Error::VersionMismatch { local: 2, peer: 1 })
+        ));
+        drop(s);
+        old_peer.await.unwrap();
     }
 
     #[test]

@@ -60,6 +60,41 @@ pub struct QpPeer {
     pub mtu: u32,
     /// Use selective repeat (both ends support it) instead of go-back-N.
     pub selective_repeat: bool,
+    /// Requester timers both ends agreed on (the larger of each side's).
+    pub timers: QpTimers,
+}
+
+/// The requester's timers (`ibv_qp_attr` timeout, retry_cnt, rnr_retry),
+/// exchanged in the bootstrap so both ends of a path use the same ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpTimers {
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout), 0..=31.
+    pub timeout: u8,
+    /// Retries on timeout / sequence NAK, 0..=7.
+    pub retry_cnt: u8,
+    /// Retries on RNR NAK, 0..=7 (7 = infinite).
+    pub rnr_retry: u8,
+}
+
+impl QpTimers {
+    /// The timers of `o`.
+    pub fn of(o: &QpOptions) -> QpTimers {
+        QpTimers {
+            timeout: o.timeout,
+            retry_cnt: o.retry_cnt,
+            rnr_retry: o.rnr_retry,
+        }
+    }
+
+    /// What both ends use: the more patient value of each (a long path
+    /// configured on either side gets its timeout on both).
+    pub fn agree(self, peer: QpTimers) -> QpTimers {
+        QpTimers {
+            timeout: self.timeout.max(peer.timeout),
+            retry_cnt: self.retry_cnt.max(peer.retry_cnt),
+            rnr_retry: self.rnr_retry.max(peer.rnr_retry),
+        }
+    }
 }
 
 /// Queue pair sizes and timers (the `ibv_qp_init_attr` / `ibv_qp_attr` subset rdmx uses).
@@ -602,6 +637,35 @@ impl CqWaiter {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn timers_agree_on_the_more_patient_values() {
+        let a = QpTimers {
+            timeout: 10,
+            retry_cnt: 7,
+            rnr_retry: 3,
+        };
+        let b = QpTimers {
+            timeout: 18,
+            retry_cnt: 2,
+            rnr_retry: 7,
+        };
+        let t = QpTimers {
+            timeout: 18,
+            retry_cnt: 7,
+            rnr_retry: 7,
+        };
+        assert_eq!(a.agree(b), t);
+        assert_eq!(b.agree(a), t, "symmetric: both ends compute the same");
+        assert_eq!(
+            QpTimers::of(&QpOptions::default()),
+            QpTimers {
+                timeout: 10,
+                retry_cnt: 7,
+                rnr_retry: 7
+            }
+        );
+    }
 
     #[test]
     fn busy_polling_adapts_to_traffic() {

@@ -737,11 +737,20 @@ impl QueuePair for HwQp {
             }
         }
         if let Err(e) = guard.post() {
-            // Nothing of the batch is outstanding: forget it, newest first.
-            for id in ids.into_iter().rev() {
+            if let [id] = ids[..] {
+                // One request refused: the NIC never saw it.
                 t.sends.unpush(id);
+                return Err(Error::ResourceExhausted(format!("ibv_post_send: {e}")));
             }
-            return Err(Error::ResourceExhausted(format!("ibv_post_send: {e}")));
+            // Part of a batch may be on the NIC (ibv_post_send stops at the
+            // bad request): keep every buffer registered and flush the QP, so
+            // nothing is freed under a DMA.
+            drop(t);
+            drop(g);
+            self.to_error();
+            return Err(Error::Disconnected(format!(
+                "ibv_post_send of a batch failed ({e}); queue pair flushed"
+            )));
         }
         Ok(())
     }

@@ -7,6 +7,8 @@ use std::net::IpAddr;
 
 use rdmx_core::{Error, Result};
 
+#[cfg(test)]
+use crate::verbs::QpTimers;
 use crate::verbs::{QpOptions, QpPeer, SendOp};
 
 /// UDP destination port of RoCEv2 (IANA; IBTA Annex A17, RoCEv2).
@@ -181,11 +183,14 @@ pub struct LocalPort {
 /// Plan the transitions of an RC QP towards `peer` (IBTA vol. 1 ch. 11 Modify QP; the
 /// RC rules of 9.7).
 /// Fails with a clear error on values the NIC would refuse.
+/// The timers are the ones both ends agreed on (`peer.timers`); `opts`
+/// gives the READ/atomic depth.
 pub fn qp_plan(peer: &QpPeer, sq_psn: u32, opts: &QpOptions, local: &LocalPort) -> Result<QpPlan> {
-    if opts.timeout > 31 || opts.retry_cnt > 7 || opts.rnr_retry > 7 {
+    let t = peer.timers;
+    if t.timeout > 31 || t.retry_cnt > 7 || t.rnr_retry > 7 {
         return Err(Error::InvalidArgument(format!(
             "QP timers out of range: timeout {} (<= 31), retry_cnt {} (<= 7), rnr_retry {} (<= 7)",
-            opts.timeout, opts.retry_cnt, opts.rnr_retry
+            t.timeout, t.retry_cnt, t.rnr_retry
         )));
     }
     if peer.qpn > 0xFF_FFFF || peer.psn > 0xFF_FFFF || sq_psn > 0xFF_FFFF {
@@ -212,9 +217,9 @@ pub fn qp_plan(peer: &QpPeer, sq_psn: u32, opts: &QpOptions, local: &LocalPort) 
         },
         rts: RtsAttrs {
             sq_psn,
-            timeout: opts.timeout,
-            retry_cnt: opts.retry_cnt,
-            rnr_retry: opts.rnr_retry,
+            timeout: t.timeout,
+            retry_cnt: t.retry_cnt,
+            rnr_retry: t.rnr_retry,
             max_rd_atomic: rd,
         },
     })
@@ -363,6 +368,7 @@ mod tests {
             addr: SocketAddr::new(ip.parse().unwrap(), ROCEV2_PORT),
             mtu,
             selective_repeat: false,
+            timers: QpTimers::of(&QpOptions::default()),
         }
     }
 
@@ -424,16 +430,12 @@ mod tests {
     fn qp_plan_refuses_what_a_nic_would() {
         let bad_mtu = qp_plan(&peer("198.18.0.2", 1500), 0, &QpOptions::default(), &PORT);
         assert!(bad_mtu.unwrap_err().to_string().contains("1500"));
-        let t = QpOptions {
-            timeout: 32,
-            ..QpOptions::default()
-        };
-        assert!(qp_plan(&peer("198.18.0.2", 1024), 0, &t, &PORT).is_err());
-        let r = QpOptions {
-            retry_cnt: 8,
-            ..QpOptions::default()
-        };
-        assert!(qp_plan(&peer("198.18.0.2", 1024), 0, &r, &PORT).is_err());
+        let mut t = peer("198.18.0.2", 1024);
+        t.timers.timeout = 32;
+        assert!(qp_plan(&t, 0, &QpOptions::default(), &PORT).is_err());
+        let mut r = peer("198.18.0.2", 1024);
+        r.timers.retry_cnt = 8;
+        assert!(qp_plan(&r, 0, &QpOptions::default(), &PORT).is_err());
         assert!(qp_plan(
             &peer("198.18.0.2", 1024),
             1 << 24,

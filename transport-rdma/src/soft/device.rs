@@ -1125,6 +1125,13 @@ impl QueuePair for SoftQpHandle {
         };
         let mut g = qp.inner.lock();
         g.qp.set_pmtu(peer.mtu).map_err(qp_err)?;
+        let t = peer.timers;
+        g.qp.set_timers(
+            t.timeout.min(qp.dev.cfg.max_ack_timeout),
+            t.retry_cnt,
+            t.rnr_retry,
+        )
+        .map_err(qp_err)?;
         g.qp.set_selective_repeat(peer.selective_repeat);
         g.qp.to_rtr(peer.qpn, peer.psn).map_err(qp_err)?;
         g.qp.to_rts(sq_psn).map_err(qp_err)?;

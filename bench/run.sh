@@ -36,6 +36,9 @@ run rdmx_poll $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100
 echo "rdmx perf over soft RoCE (rdma transport)" >&2
 run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --duration-ms $DUR \
   --iters $ITERS --op send,write,read,cas,faa --sizes 8,4k,32k,256k,1m --window 16
+echo "rdmx perf over soft RoCE with adaptive busy polling (8 B)" >&2
+run rdmx_rdma_poll $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --busy-poll-us 100 \
+  --mode lat --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
 $RDMX perf --loopback --baseline raw-tcp --duration-ms $DUR --iters $ITERS --op write,read \
   --sizes 8,512,4k,32k,256k,1m --svg bench/perf-tcp.svg > /dev/null 2>&1 || true
 

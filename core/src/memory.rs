@@ -348,6 +348,9 @@ impl Domain {
     /// Zero-length regions are never registered: NICs skip the R_Key check
     /// for zero-length accesses (IBTA 9.7.4.1.5).
     fn attach(&self, dev: &dyn DeviceMemory, r: &Arc<RegionInner>) -> Result<()> {
+        if r.device.lock().is_some() {
+            return Ok(()); // a registration racing the binding got there first
+        }
         for _ in 0..8 {
             let reg = dev.register(r.addr, r.len, r.access)?;
             let mut table = self.inner.table.write();

@@ -756,8 +756,13 @@ impl QueuePair for HwQp {
     }
 
     fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()> {
+        let cap = u32::try_from(max_len).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "receive of {max_len} bytes: NICs take at most 4 GiB"
+            ))
+        })?;
         let slot = self.pool.take(max_len.max(1))?;
-        let (lkey, addr, cap) = (slot.lkey(), slot.addr(), max_len as u32);
+        let (lkey, addr) = (slot.lkey(), slot.addr());
         let mut g = self.qp.lock();
         let qp = g
             .as_mut()

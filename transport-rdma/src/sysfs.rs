@@ -185,6 +185,18 @@ pub struct GidChoice {
     pub mtu: Option<u32>,
 }
 
+impl GidChoice {
+    fn of(d: &Device, p: &Port, g: &Gid) -> GidChoice {
+        GidChoice {
+            device: d.name.clone(),
+            port: p.num,
+            index: g.index,
+            addr: g.addr,
+            mtu: p.active_mtu,
+        }
+    }
+}
+
 /// The RoCEv2 GID whose address is `local_ip` (the address of the interface
 /// that routes to the peer) on an active Ethernet port. Never a RoCE v1 GID,
 /// never a link-local one unless `local_ip` itself is link-local. `None` if no
@@ -201,13 +213,7 @@ pub fn choose_gid(devs: &[Device], local_ip: IpAddr) -> Option<GidChoice> {
         .flat_map(|(d, p)| p.gids.iter().map(move |g| (d, p, g)))
         .filter(|(_, _, g)| g.kind == GidKind::RoceV2 && g.addr == want)
         .find(|(_, _, g)| !link_local(&g.addr) || link_local(&want))
-        .map(|(d, p, g)| GidChoice {
-            device: d.name.clone(),
-            port: p.num,
-            index: g.index,
-            addr: g.addr,
-            mtu: p.active_mtu,
-        })
+        .map(|(d, p, g)| GidChoice::of(d, p, g))
 }
 
 /// The GID a person named (`RDMX_RDMA_GID_INDEX`, optionally with
@@ -226,13 +232,7 @@ pub fn gid_by_index(
         .filter(|(_, p)| p.is_active() && port.is_none_or(|n| n == p.num))
         .flat_map(|(d, p)| p.gids.iter().map(move |g| (d, p, g)))
         .find(|(_, _, g)| g.index == index)
-        .map(|(d, p, g)| GidChoice {
-            device: d.name.clone(),
-            port: p.num,
-            index: g.index,
-            addr: g.addr,
-            mtu: p.active_mtu,
-        })
+        .map(|(d, p, g)| GidChoice::of(d, p, g))
 }
 
 /// Test helper and documentation of the layout: write a fake sysfs device.

@@ -586,6 +586,28 @@ impl HwQp {
     }
 }
 
+/// Attach a SEND's or WRITE's data: inline (copied into the work request)
+/// or the staged slot.
+fn attach_data<B: SetInlineData + SetScatterGatherEntry>(
+    b: B,
+    path: DataPath,
+    sge: Option<(u32, u64)>,
+    sg: &[bytes::Bytes],
+    len: u32,
+) {
+    match (path, sge) {
+        (DataPath::Inline, _) => {
+            let io: Vec<IoSlice<'_>> = sg.iter().map(|s| IoSlice::new(s)).collect();
+            b.setup_inline_data_list(&io);
+        }
+        // SAFETY: the staged slot is registered with this PD and stays in the
+        // registry, unreused, until the completion of this request (or of a
+        // later one) is polled.
+        (_, Some((lkey, addr))) => unsafe { b.setup_sge(lkey, addr, len) },
+        _ => {}
+    }
+}
+
 fn mtu_enum(code: u32) -> Mtu {
     Mtu::from(code)
 }
@@ -684,37 +706,21 @@ impl QueuePair for HwQp {
             let id = t.sends.push(w.wr_id, opcode_of(&w.op), len, signaled, slot);
             ids.push(id);
             let h = guard.construct_wr(id, flags);
-            // SAFETY (every `setup_sge` below): the slot is registered with
-            // this PD and stays in the registry, unreused, until the
-            // completion of this request (or a later one) is polled.
+            // SAFETY (every `setup_sge` below): as in `attach_data`.
             match w.op {
                 SendOp::Send { sg, imm } => {
                     let b = match imm {
                         Some(i) => h.setup_send_imm(i.to_be()),
                         None => h.setup_send(),
                     };
-                    match (path, sge) {
-                        (DataPath::Inline, _) => {
-                            let io: Vec<IoSlice<'_>> = sg.iter().map(|s| IoSlice::new(s)).collect();
-                            b.setup_inline_data_list(&io);
-                        }
-                        (_, Some((lkey, addr))) => unsafe { b.setup_sge(lkey, addr, len as u32) },
-                        _ => {}
-                    }
+                    attach_data(b, path, sge, &sg, len as u32);
                 }
                 SendOp::Write { sg, dst, imm } => {
                     let b = match imm {
                         Some(i) => h.setup_write_imm(dst.rkey, dst.addr, i.to_be()),
                         None => h.setup_write(dst.rkey, dst.addr),
                     };
-                    match (path, sge) {
-                        (DataPath::Inline, _) => {
-                            let io: Vec<IoSlice<'_>> = sg.iter().map(|s| IoSlice::new(s)).collect();
-                            b.setup_inline_data_list(&io);
-                        }
-                        (_, Some((lkey, addr))) => unsafe { b.setup_sge(lkey, addr, len as u32) },
-                        _ => {}
-                    }
+                    attach_data(b, path, sge, &sg, len as u32);
                 }
                 SendOp::Read { src } => {
                     let b = h.setup_read(src.rkey, src.addr);
@@ -849,33 +855,19 @@ mod tests {
     #[test]
     fn wc_status_codes_match_libibverbs() {
         use rdma_mummy_sys::ibv_wc_status as s;
-        assert_eq!(WcStatus::from_ibv(s::IBV_WC_SUCCESS), WcStatus::Success);
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_LOC_LEN_ERR),
-            WcStatus::LocalLength
-        );
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_LOC_PROT_ERR),
-            WcStatus::LocalProtection
-        );
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_WR_FLUSH_ERR),
-            WcStatus::Flushed
-        );
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_REM_ACCESS_ERR),
-            WcStatus::RemoteAccess
-        );
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_RETRY_EXC_ERR),
-            WcStatus::RetryExceeded
-        );
-        assert_eq!(
-            WcStatus::from_ibv(s::IBV_WC_RNR_RETRY_EXC_ERR),
-            WcStatus::RnrRetryExceeded
-        );
-        assert_eq!(WcStatus::from_ibv(s::IBV_WC_FATAL_ERR), WcStatus::Fatal);
-        assert_eq!(WcStatus::from_ibv(s::IBV_WC_GENERAL_ERR), WcStatus::General);
+        for (code, status) in [
+            (s::IBV_WC_SUCCESS, WcStatus::Success),
+            (s::IBV_WC_LOC_LEN_ERR, WcStatus::LocalLength),
+            (s::IBV_WC_LOC_PROT_ERR, WcStatus::LocalProtection),
+            (s::IBV_WC_WR_FLUSH_ERR, WcStatus::Flushed),
+            (s::IBV_WC_REM_ACCESS_ERR, WcStatus::RemoteAccess),
+            (s::IBV_WC_RETRY_EXC_ERR, WcStatus::RetryExceeded),
+            (s::IBV_WC_RNR_RETRY_EXC_ERR, WcStatus::RnrRetryExceeded),
+            (s::IBV_WC_FATAL_ERR, WcStatus::Fatal),
+            (s::IBV_WC_GENERAL_ERR, WcStatus::General),
+        ] {
+            assert_eq!(WcStatus::from_ibv(code), status, "code {code}");
+        }
         assert_eq!(
             plan::ibv_mtu(4096).unwrap(),
             sideway::ibverbs::device_context::Mtu::Mtu4096 as u32

@@ -346,17 +346,28 @@ impl ProtectionDomain for HwPd {
             .downcast::<HwCq>()
             .map_err(|_| Error::InvalidArgument("CQ of another provider".into()))?;
         let cfg = &self.ctx_provider.cfg;
-        let mut b = self.pd.create_qp_builder();
-        b.setup_max_send_wr(cfg.sq_depth)
-            .setup_max_recv_wr(4096)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
-            .setup_max_inline_data(cfg.max_inline)
-            .setup_send_cq(hcq.cq.clone())
-            .setup_recv_cq(hcq.cq.clone());
-        let qp = b
-            .build()
-            .map_err(|e| verbs_err(&format!("{}: ibv_create_qp", self.name), e))?;
+        let build = |inline: u32| {
+            let mut b = self.pd.create_qp_builder();
+            b.setup_max_send_wr(cfg.sq_depth)
+                .setup_max_recv_wr(4096)
+                .setup_max_send_sge(1)
+                .setup_max_recv_sge(1)
+                .setup_max_inline_data(inline)
+                .setup_send_cq(hcq.cq.clone())
+                .setup_recv_cq(hcq.cq.clone());
+            b.build()
+        };
+        // Some devices take less inline data than asked: then go without.
+        let (qp, max_inline) = match build(cfg.max_inline) {
+            Ok(qp) => (qp, cfg.max_inline),
+            Err(e) if cfg.max_inline > 0 => {
+                tracing::debug!(error = %e, "QP with inline data refused; creating one without");
+                let qp =
+                    build(0).map_err(|e| verbs_err(&format!("{}: ibv_create_qp", self.name), e))?;
+                (qp, 0)
+            }
+            Err(e) => return Err(verbs_err(&format!("{}: ibv_create_qp", self.name), e)),
+        };
         let qpn = qp.qp_number();
         let track = Arc::new(Mutex::new(Tracks {
             sends: SendTrack::new(cfg.sq_depth as usize),
@@ -370,6 +381,7 @@ impl ProtectionDomain for HwPd {
             cq: hcq,
             track,
             opts,
+            max_inline,
             prov: self.ctx_provider.clone(),
         }))
     }
@@ -546,6 +558,8 @@ struct HwQp {
     cq: Arc<HwCq>,
     track: Arc<Mutex<Tracks>>,
     opts: QpOptions,
+    /// Inline bytes this QP takes (0 if the device refused inline data).
+    max_inline: u32,
     prov: ProviderRef,
 }
 
@@ -571,7 +585,7 @@ impl HwQp {
 
     /// Buffer and inline decision for one request.
     fn stage(&self, op: &SendOp) -> Result<(DataPath, Option<Slot>)> {
-        let path = plan::data_path(op, self.prov.cfg.max_inline);
+        let path = plan::data_path(op, self.max_inline);
         let slot = match (op, path) {
             (SendOp::Send { sg, .. } | SendOp::Write { sg, .. }, DataPath::Staged) => {
                 let mut s = self.pool.take(op.len() as usize)?;

@@ -270,13 +270,16 @@ pub enum DataPath {
     Inline,
     /// Copied into a pre-registered staging buffer.
     Staged,
-    /// No local data (atomics and READs use a buffer for their result).
+    /// No local data: zero-length SEND/WRITE, READ and atomics (those two
+    /// get a buffer for their result).
     None,
 }
 
 /// The data path for `op` when the QP takes `max_inline` inline bytes.
 pub fn data_path(op: &SendOp, max_inline: u32) -> DataPath {
     match op {
+        // A zero-length SEND or WRITE carries no scatter/gather entry at all.
+        SendOp::Send { .. } | SendOp::Write { .. } if op.is_empty() => DataPath::None,
         SendOp::Send { .. } | SendOp::Write { .. } if op.len() <= u64::from(max_inline) => {
             DataPath::Inline
         }
@@ -485,7 +488,13 @@ mod tests {
     fn small_sends_go_inline() {
         assert_eq!(data_path(&send(64), 64), DataPath::Inline);
         assert_eq!(data_path(&send(65), 64), DataPath::Staged);
-        assert_eq!(data_path(&send(0), 0), DataPath::Inline);
+        assert_eq!(data_path(&send(0), 0), DataPath::None);
+        assert_eq!(data_path(&send(0), 64), DataPath::None);
+        assert_eq!(
+            data_path(&send(1), 0),
+            DataPath::Staged,
+            "device without inline"
+        );
         let r = RemoteRegion {
             addr: 0,
             len: 8,

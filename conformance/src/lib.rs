@@ -652,20 +652,25 @@ impl Suite {
                 &want[..]
             );
         }
-        // Messages that were sent arrived whole and in order; a marker follows them.
-        p.client.send(&b"END"[..]).await.unwrap();
-        let mut prev = None;
-        loop {
-            let m = p.server.recv_message().await.unwrap();
-            if &m[..] == b"END" {
-                break;
+        // Messages that were sent arrived whole and in order; a marker follows
+        // them. The receiver reads while the marker is sent: the dropped sends
+        // may hold every receive credit the peer offered (4 on NICs).
+        let receive = async {
+            let mut prev = None;
+            loop {
+                let m = p.server.recv_message().await.unwrap();
+                if &m[..] == b"END" {
+                    break;
+                }
+                let i = (0..200u64)
+                    .find(|&i| pattern(i, 100) == m[..])
+                    .expect("a torn or unknown message");
+                assert!(prev.is_none_or(|p| i > p), "messages out of order");
+                prev = Some(i);
             }
-            let i = (0..200u64)
-                .find(|&i| pattern(i, 100) == m[..])
-                .expect("a torn or unknown message");
-            assert!(prev.is_none_or(|p| i > p), "messages out of order");
-            prev = Some(i);
-        }
+        };
+        let (sent, ()) = tokio::join!(p.client.send(&b"END"[..]).into_future(), receive);
+        sent.unwrap();
     }
 
     /// A receiver that does not consume stalls the sender at its credits,

@@ -32,7 +32,7 @@ use rdmx_transport_tcp::handshake::{Agreed, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::verbs::{
@@ -343,6 +343,8 @@ struct Pending {
     first_psn: u32,
     npkts: u32,
     reply: Option<Reply>,
+    /// Its place among the connection's `max_inflight` (and the send queue).
+    _permit: OwnedSemaphorePermit,
 }
 
 struct State {
@@ -401,6 +403,9 @@ pub(crate) struct Shared {
     incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
     credits: Mutex<Credits>,
     credit_notify: Notify,
+    /// One permit per operation in flight (`Options::max_inflight`, also the
+    /// send queue depth): later operations wait, as the capabilities say.
+    inflight: Arc<Semaphore>,
     dead: Mutex<Option<Error>>,
     is_dead: AtomicBool,
     stop: Notify,
@@ -454,6 +459,11 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         .map(|a| a.ip().to_canonical())
         .ok_or_else(|| Error::Connect("bootstrap socket has no local address".into()))?;
     let port = provider.port_for(local_ip, peer_addr.ip())?;
+    // The send queue holds every operation in flight (see `Shared::inflight`).
+    let qp_opts = QpOptions {
+        max_send_wr: max_inflight.max(1),
+        ..qp_opts
+    };
     let pd = provider.alloc_pd(&domain)?;
     let cq = provider.create_cq(ours.credits as usize + max_inflight as usize)?;
     let qp = pd.create_qp(&cq, qp_opts)?;
@@ -555,6 +565,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             bytes: agreed.peer.window,
         }),
         credit_notify: Notify::new(),
+        inflight: Arc::new(Semaphore::new(max_inflight.max(1) as usize)),
         dead: Mutex::new(None),
         is_dead: AtomicBool::new(false),
         stop: Notify::new(),
@@ -712,12 +723,26 @@ impl Shared {
             let _ = r.send(Err(e.clone()));
         }
         qp.to_error();
+        self.inflight.close();
         self.credit_notify.notify_waiters();
         self.stop.notify_one();
     }
 
+    /// Wait for a place among the operations in flight.
+    async fn permit(&self) -> Result<OwnedSemaphorePermit> {
+        self.inflight
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| self.dead_error())
+    }
+
     /// Post `op` (or park it while the QP is being replaced).
-    fn submit(&self, op: SendOp) -> Result<oneshot::Receiver<Result<WorkCompletion>>> {
+    fn submit(
+        &self,
+        op: SendOp,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<oneshot::Receiver<Result<WorkCompletion>>> {
         if self.is_dead.load(Ordering::Acquire) {
             return Err(self.dead_error());
         }
@@ -731,6 +756,7 @@ impl Shared {
             first_psn: 0,
             npkts: 0,
             reply: Some(tx),
+            _permit: permit,
         };
         if !st.resetting {
             Self::post(&mut st, self.path.mtu, wr_id, &mut p)?;
@@ -1200,11 +1226,15 @@ impl RawConnection for RdmaConnection {
                     sh.peer_limits.max_message
                 )));
             }
+            let permit = sh.permit().await?;
             sh.take_credit(len).await?;
-            let rx = sh.submit(SendOp::Send {
-                sg: vec![msg],
-                imm: None,
-            })?;
+            let rx = sh.submit(
+                SendOp::Send {
+                    sg: vec![msg],
+                    imm: None,
+                },
+                permit,
+            )?;
             wait(rx, &sh).await.map(|_| ())
         })
     }
@@ -1237,7 +1267,8 @@ impl RawConnection for RdmaConnection {
                     src.len
                 )));
             }
-            let rx = sh.submit(SendOp::Read { src })?;
+            let permit = sh.permit().await?;
+            let rx = sh.submit(SendOp::Read { src }, permit)?;
             Ok(wait(rx, &sh).await?.data)
         })
     }
@@ -1256,15 +1287,19 @@ impl RawConnection for RdmaConnection {
                     dst.len
                 )));
             }
+            let permit = sh.permit().await?;
             if imm.is_some() {
                 // The immediate consumes a receive at the peer.
                 sh.take_credit(0).await?;
             }
-            let rx = sh.submit(SendOp::Write {
-                sg: vec![data],
-                dst,
-                imm,
-            })?;
+            let rx = sh.submit(
+                SendOp::Write {
+                    sg: vec![data],
+                    dst,
+                    imm,
+                },
+                permit,
+            )?;
             wait(rx, &sh).await.map(|_| ())
         })
     }
@@ -1280,7 +1315,8 @@ impl RawConnection for RdmaConnection {
                 },
                 AtomicOp::FetchAndAdd { add } => SendOp::FetchAdd { dst, add },
             };
-            let rx = sh.submit(op)?;
+            let permit = sh.permit().await?;
+            let rx = sh.submit(op, permit)?;
             Ok(wait(rx, &sh).await?.atomic_orig.unwrap_or(0))
         })
     }

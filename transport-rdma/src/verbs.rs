@@ -109,6 +109,9 @@ pub struct QpOptions {
     pub rnr_retry: u8,
     /// Outstanding READ/atomic requests.
     pub max_rd_atomic: u32,
+    /// Send queue depth (the connection sets it to `Options::max_inflight`;
+    /// NICs cap it at their `max_qp_wr`).
+    pub max_send_wr: u32,
 }
 
 impl Default for QpOptions {
@@ -118,6 +121,7 @@ impl Default for QpOptions {
             retry_cnt: 7,
             rnr_retry: 7,
             max_rd_atomic: 16,
+            max_send_wr: 4096,
         }
     }
 }

@@ -54,13 +54,15 @@ pub struct HwConfig {
     pub traffic_class: u8,
     /// Largest SEND/WRITE copied into the work request itself.
     pub max_inline: u32,
-    /// Send queue depth per QP.
+    /// Largest send queue per QP (the connection asks for `max_inflight`;
+    /// the device's `max_qp_wr` caps it too).
     pub sq_depth: u32,
     /// In a batch, signal at least every this many requests.
     pub signal_every: usize,
     /// Receive memory a connection may pin (`RDMX_HW_RECV_BUDGET`, bytes).
     pub recv_budget: u64,
-    /// Where the kernel lists RDMA devices (for GID and MTU selection).
+    /// The sysfs mount that lists RDMA devices under `class/infiniband`
+    /// (for GID and MTU selection): `/sys`, or `RDMX_SYSFS_ROOT`.
     pub sysfs_root: PathBuf,
     /// Atomic reply layout override (`RDMX_HW_ATOMIC_REPLY=host|be`).
     pub atomic_reply: Option<String>,
@@ -80,12 +82,12 @@ impl HwConfig {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0),
             max_inline: 64,
-            sq_depth: 1024,
+            sq_depth: 16384,
             signal_every: 32,
             recv_budget: var("RDMX_HW_RECV_BUDGET")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(64 << 20),
-            sysfs_root: PathBuf::from("/sys/class/infiniband"),
+            sysfs_root: PathBuf::from(var("RDMX_SYSFS_ROOT").unwrap_or_else(|| "/sys".into())),
             atomic_reply: var("RDMX_HW_ATOMIC_REPLY"),
             gid_index: var("RDMX_RDMA_GID_INDEX").and_then(|v| v.parse().ok()),
             port: var("RDMX_RDMA_PORT").and_then(|v| v.parse().ok()),
@@ -136,9 +138,14 @@ impl HwProvider {
         let attr = ctx
             .query_device()
             .map_err(|e| verbs_err(&format!("{name}: ibv_query_device"), e))?;
+        let max_qp_wr = attr.max_qp_wr().max(16) as u32;
         let max_rd_atomic = attr.max_qp_rd_atom().min(attr.max_qp_init_rd_atom()).max(1) as u32;
         let reply = AtomicReply::for_device(&name, cfg.atomic_reply.as_deref());
         tracing::info!(device = %name, ?reply, max_rd_atomic, "RDMA device opened");
+        let cfg = HwConfig {
+            sq_depth: cfg.sq_depth.min(max_qp_wr),
+            ..cfg
+        };
         Ok(Arc::new(HwProvider {
             ctx,
             name,
@@ -346,9 +353,10 @@ impl ProtectionDomain for HwPd {
             .downcast::<HwCq>()
             .map_err(|_| Error::InvalidArgument("CQ of another provider".into()))?;
         let cfg = &self.ctx_provider.cfg;
+        let depth = opts.max_send_wr.clamp(16, cfg.sq_depth);
         let build = |inline: u32| {
             let mut b = self.pd.create_qp_builder();
-            b.setup_max_send_wr(cfg.sq_depth)
+            b.setup_max_send_wr(depth)
                 .setup_max_recv_wr(4096)
                 .setup_max_send_sge(1)
                 .setup_max_recv_sge(1)
@@ -370,7 +378,7 @@ impl ProtectionDomain for HwPd {
         };
         let qpn = qp.qp_number();
         let track = Arc::new(Mutex::new(Tracks {
-            sends: SendTrack::new(cfg.sq_depth as usize),
+            sends: SendTrack::new(depth as usize),
             recvs: RecvTrack::default(),
         }));
         hcq.qps.lock().insert(qpn, track.clone());

@@ -10,17 +10,22 @@ use rdmx_conformance::{pattern, Suite};
 use rdmx_core::{Access, Options};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn busy_polling_connection_moves_exact_bytes() {
+/// A soft RoCE device of its own (a free port).
+fn soft_suite() -> Suite {
     let dev = SoftRoce::new(SoftConfig {
         port: 0,
         ..SoftConfig::default()
     })
     .unwrap();
-    let suite = Suite::new(
+    Suite::new(
         Arc::new(RdmaTransport::with_provider(Arc::new(dev))),
         "127.0.0.1:0",
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_polling_connection_moves_exact_bytes() {
+    let suite = soft_suite();
     let spin = || Options {
         busy_poll: Some(Duration::from_micros(50)),
         ..Options::default()
@@ -46,15 +51,7 @@ async fn busy_polling_connection_moves_exact_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operations_beyond_max_inflight_wait() {
-    let dev = SoftRoce::new(SoftConfig {
-        port: 0,
-        ..SoftConfig::default()
-    })
-    .unwrap();
-    let suite = Suite::new(
-        Arc::new(RdmaTransport::with_provider(Arc::new(dev))),
-        "127.0.0.1:0",
-    );
+    let suite = soft_suite();
     let four = Options {
         max_inflight: 4,
         ..Options::default()

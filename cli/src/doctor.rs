@@ -242,10 +242,7 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
     if let Some(m) = memlock_bytes {
         // Each NIC connection pins its receive budget (64 MiB by default,
         // RDMX_HW_RECV_BUDGET) plus the registered regions and staging buffers.
-        let budget: u64 = std::env::var("RDMX_HW_RECV_BUDGET")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(64 << 20);
+        let budget = rdmx_transport_rdma::hw::plan::recv_budget();
         if !devices.is_empty() && m < budget + (16 << 20) {
             f(
                 "warn",

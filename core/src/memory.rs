@@ -338,11 +338,6 @@ impl Domain {
         Ok(())
     }
 
-    /// The device this domain is bound to.
-    pub fn device(&self) -> Option<Arc<dyn DeviceMemory>> {
-        self.inner.device.read().clone()
-    }
-
     /// Register `r` with `dev` and make the device's key its key (the old
     /// one stays valid as an alias). Retries on the rare key collision.
     /// Zero-length regions are never registered: NICs skip the R_Key check

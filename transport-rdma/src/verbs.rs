@@ -559,11 +559,6 @@ impl CqWaiter {
         self
     }
 
-    /// The busy-polling state, if enabled.
-    pub fn spin(&self) -> Option<AdaptiveSpin> {
-        self.spin
-    }
-
     /// Wait until at least one completion is available and move up to `max` into `out`.
     pub async fn next(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
         loop {

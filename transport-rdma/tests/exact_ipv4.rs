@@ -7,7 +7,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdmx_core::{Access, Options, Transport};
+use rdmx_conformance::Suite;
+use rdmx_core::Access;
 use rdmx_roce_proto::pcap::{check, read_capture};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
@@ -49,13 +50,14 @@ async fn ipv4_icrc_matches_the_kernel_header() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
-    let rdma = RdmaTransport::with_provider(dev.clone());
-    let so = Options::default();
-    let mut l = rdma.listen("127.0.0.1:0", &so).await.unwrap();
-    let addr = l.local_addr().to_string();
-    let (c, s) = tokio::join!(rdma.connect(&addr, &Options::default()), l.accept());
-    let (c, _s) = (c.unwrap(), s.unwrap());
-    let mr = so.domain.register(64 << 10, Access::ALL);
+    let p = Suite::new(
+        Arc::new(RdmaTransport::with_provider(dev.clone())),
+        "127.0.0.1:0",
+    )
+    .pair()
+    .await;
+    let c = &p.client;
+    let mr = p.server_opts.domain.register(64 << 10, Access::ALL);
     let data: Vec<u8> = (0..64u32 << 10).map(|i| (i % 241) as u8).collect();
     for _ in 0..10 {
         c.write(data.clone(), mr.remote()).await.unwrap();

@@ -5,7 +5,8 @@
 use std::net::UdpSocket;
 use std::sync::Arc;
 
-use rdmx_core::{Access, Options, Transport};
+use rdmx_conformance::Suite;
+use rdmx_core::Access;
 use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
@@ -18,13 +19,14 @@ async fn bad_packets_are_dropped_and_counted() {
         })
         .unwrap(),
     );
-    let rdma = RdmaTransport::with_provider(dev.clone());
-    let so = Options::default();
-    let mut l = rdma.listen("127.0.0.1:0", &so).await.unwrap();
-    let addr = l.local_addr().to_string();
-    let (c, s) = tokio::join!(rdma.connect(&addr, &Options::default()), l.accept());
-    let (c, _s) = (c.unwrap(), s.unwrap());
-    let mr = so.domain.register(4096, Access::ALL);
+    let p = Suite::new(
+        Arc::new(RdmaTransport::with_provider(dev.clone())),
+        "127.0.0.1:0",
+    )
+    .pair()
+    .await;
+    let c = &p.client;
+    let mr = p.server_opts.domain.register(4096, Access::ALL);
     let qpn = |info: &str| {
         // "soft-roce:PORT (QPN 0xA -> 0xB, ...)": the server's QPN is B for the client.
         let arrow = info.split("-> 0x").nth(1).unwrap();

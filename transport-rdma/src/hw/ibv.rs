@@ -84,9 +84,7 @@ impl HwConfig {
             max_inline: 64,
             sq_depth: 16384,
             signal_every: 32,
-            recv_budget: var("RDMX_HW_RECV_BUDGET")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(64 << 20),
+            recv_budget: plan::recv_budget(),
             sysfs_root: PathBuf::from(var("RDMX_SYSFS_ROOT").unwrap_or_else(|| "/sys".into())),
             atomic_reply: var("RDMX_HW_ATOMIC_REPLY"),
             gid_index: var("RDMX_RDMA_GID_INDEX").and_then(|v| v.parse().ok()),
@@ -159,11 +157,6 @@ impl HwProvider {
     fn local_port(&self, local_ip: IpAddr) -> Result<(LocalPort, sysfs::GidChoice)> {
         local_port(&self.name, &self.cfg, self.max_rd_atomic, local_ip)
     }
-
-    /// Receive credits that fit the pinned-memory budget.
-    pub fn recv_credits(&self, credits: u32, max_message: u64) -> u32 {
-        plan::hw_recv_credits(credits, max_message, self.cfg.recv_budget)
-    }
 }
 
 impl Provider for HwProvider {
@@ -189,7 +182,7 @@ impl Provider for HwProvider {
     }
 
     fn recv_credits(&self, credits: u32, max_message: u64) -> u32 {
-        HwProvider::recv_credits(self, credits, max_message)
+        plan::hw_recv_credits(credits, max_message, self.cfg.recv_budget)
     }
 
     fn alloc_pd(&self, domain: &Domain) -> Result<Arc<dyn ProtectionDomain>> {
@@ -280,7 +273,7 @@ fn local_port(
     Ok((port, choice))
 }
 
-/// What a QP needs of its provider (without keeping the device list alive).
+/// What PDs and QPs need of their provider (a copy: `alloc_pd` has only `&self`).
 #[derive(Clone, Debug)]
 struct ProviderRef {
     name: String,
@@ -698,8 +691,7 @@ impl QueuePair for HwQp {
         if wrs.is_empty() {
             return Ok(());
         }
-        let ops: Vec<SendOp> = wrs.iter().map(|w| w.op.clone()).collect();
-        let signals = plan::signal_plan(&ops, self.prov.cfg.signal_every);
+        let signals = plan::signal_plan(wrs.iter().map(|w| &w.op), self.prov.cfg.signal_every);
         let mut staged = Vec::with_capacity(wrs.len());
         for w in &wrs {
             staged.push(self.stage(&w.op)?);

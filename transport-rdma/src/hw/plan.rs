@@ -32,11 +32,6 @@ pub fn ibv_mtu(bytes: u32) -> Result<u32> {
     }
 }
 
-/// Bytes of an `enum ibv_mtu` code.
-pub fn mtu_bytes(code: u32) -> Option<u32> {
-    (1..=5).contains(&code).then(|| 128 << code)
-}
-
 /// Pick the device to open from what `ibv_get_device_list` gave: an error
 /// and an empty list both mean "no RDMA" (the same binary runs on hosts
 /// without libibverbs); `wanted` (from [`DEVICE_ENV`]) must name a device.
@@ -293,11 +288,13 @@ pub fn data_path(op: &SendOp, max_inline: u32) -> DataPath {
 /// request generate a CQE. The send queue completes in order (IBTA vol. 1 ch. 10),
 /// so a signaled completion also completes the unsignaled requests before it;
 /// `max_run` bounds the send-queue slots a run can hold unacknowledged.
-pub fn signal_plan(batch: &[SendOp], max_run: usize) -> Vec<bool> {
+pub fn signal_plan<'a>(
+    batch: impl ExactSizeIterator<Item = &'a SendOp>,
+    max_run: usize,
+) -> Vec<bool> {
     let mut run = 0;
     let last = batch.len().saturating_sub(1);
     batch
-        .iter()
         .enumerate()
         .map(|(i, op)| {
             let data = matches!(
@@ -312,6 +309,15 @@ pub fn signal_plan(batch: &[SendOp], max_run: usize) -> Vec<bool> {
             signal
         })
         .collect()
+}
+
+/// Receive memory one NIC connection may pin: `RDMX_HW_RECV_BUDGET` bytes,
+/// 64 MiB if unset.
+pub fn recv_budget() -> u64 {
+    std::env::var("RDMX_HW_RECV_BUDGET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64 << 20)
 }
 
 /// Receive credits for a connection over a NIC: each posted receive pins a
@@ -330,14 +336,11 @@ mod tests {
     use std::net::SocketAddr;
 
     #[test]
-    fn mtu_codes_round_trip() {
+    fn mtu_codes() {
         for (bytes, code) in [(256, 1), (512, 2), (1024, 3), (2048, 4), (4096, 5)] {
             assert_eq!(ibv_mtu(bytes).unwrap(), code);
-            assert_eq!(mtu_bytes(code), Some(bytes));
         }
         assert!(ibv_mtu(1500).unwrap_err().to_string().contains("1500"));
-        assert_eq!(mtu_bytes(0), None);
-        assert_eq!(mtu_bytes(6), None);
     }
 
     #[test]
@@ -515,15 +518,15 @@ mod tests {
             rkey: 1,
         };
         let batch: Vec<SendOp> = (0..10).map(|_| send(8)).collect();
-        let p = signal_plan(&batch, 4);
+        let p = signal_plan(batch.iter(), 4);
         assert_eq!(
             p,
             [false, false, false, true, false, false, false, true, false, true]
         );
-        let mixed = vec![send(8), SendOp::Read { src: r }, send(8), send(8)];
-        assert_eq!(signal_plan(&mixed, 64), [false, true, false, true]);
-        assert_eq!(signal_plan(&[send(1)], 64), [true]);
-        assert!(signal_plan(&[], 64).is_empty());
+        let mixed = [send(8), SendOp::Read { src: r }, send(8), send(8)];
+        assert_eq!(signal_plan(mixed.iter(), 64), [false, true, false, true]);
+        assert_eq!(signal_plan([send(1)].iter(), 64), [true]);
+        assert!(signal_plan([].iter(), 64).is_empty());
     }
 
     #[test]

@@ -794,6 +794,9 @@ impl SoftQp {
         if !wcs.is_empty() {
             self.cq.push(wcs);
         }
+        // Counters too: a peer that sees our response may read them (remote
+        // operations served); what transmitting counts (retransmits) follows.
+        self.count(inner.qp.stats());
         if inner.backlog.is_empty() {
             self.transmit(inner);
         }

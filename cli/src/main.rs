@@ -6,6 +6,9 @@
 //! * `rdmx doctor` — RDMA devices, GIDs, limits and settings, with advice.
 //! * `rdmx soak` — a checked write/read/send mix over a path, with goodput
 //!   and protocol counters (retransmits, NAKs, CNPs).
+//!
+//! Logs go to stderr (`RDMX_LOG=debug` for more), coloured only on a terminal;
+//! a failure is printed once, as `rdmx: <error>`, with a non-zero exit.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
@@ -21,7 +24,14 @@ use clap::{Parser, Subcommand};
 
 /// rdmx: RDMA-speed transport for distributed services, with TCP fallback.
 #[derive(Parser, Debug)]
-#[command(name = "rdmx", version, about)]
+#[command(
+    name = "rdmx",
+    version,
+    about = "rdmx: RDMA-speed transport for distributed services, with TCP fallback.\n\
+             perf measures any transport against a raw-TCP baseline, soak checks a path's \
+             integrity and goodput, pcap checks RoCEv2 captures, doctor explains this host's RDMA setup.",
+    after_help = "Logs: RDMX_LOG=debug|info|warn (default warn), on stderr."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -40,7 +50,9 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RDMX_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),

@@ -1,7 +1,7 @@
 //! `rdmx pcap check`: verify RoCEv2 captures (pcap or pcapng).
 
 use rdmx_core::Error;
-use rdmx_roce_proto::pcap::{check_frame, read_capture, Verdict};
+use rdmx_roce_proto::pcap::{check_frame_on, read_capture_file, Verdict};
 use rdmx_roce_proto::RoceFrame;
 
 /// Arguments of `rdmx pcap`.
@@ -15,7 +15,9 @@ pub(crate) struct PcapArgs {
 enum PcapCmd {
     /// Parse every RoCEv2 packet, verify its ICRC and that it re-serialises byte
     /// for byte; print a per-opcode summary. Exits non-zero if any RoCEv2 packet
-    /// is malformed or has a bad ICRC.
+    /// is malformed or has a bad ICRC, if the file is damaged (the frame and
+    /// byte offset are named), or if a file holds no RoCEv2 packet at all
+    /// (nothing was verified) unless --allow-empty.
     Check {
         /// Capture files (pcap or pcapng).
         #[arg(required = true)]
@@ -23,6 +25,13 @@ enum PcapCmd {
         /// Print every packet.
         #[arg(long, short)]
         verbose: bool,
+        /// UDP port carrying RoCEv2. Default: the port rdmx noted in a capture
+        /// it wrote (`rdmx perf --capture`), else 4791.
+        #[arg(long)]
+        port: Option<u16>,
+        /// Succeed on a file with no RoCEv2 packet (nothing verified).
+        #[arg(long)]
+        allow_empty: bool,
     },
 }
 
@@ -76,16 +85,27 @@ fn describe(data: &[u8]) -> String {
 }
 
 pub(crate) fn run(a: PcapArgs) -> Result<(), Error> {
-    let PcapCmd::Check { files, verbose } = a.cmd;
+    let PcapCmd::Check {
+        files,
+        verbose,
+        port,
+        allow_empty,
+    } = a.cmd;
     let mut failed = 0;
+    let mut empty = Vec::new();
     for file in &files {
         let f = std::fs::File::open(file)
             .map_err(|e| Error::InvalidArgument(format!("{file}: {e}")))?;
-        let frames = read_capture(f).map_err(|e| Error::InvalidArgument(format!("{file}: {e}")))?;
+        let cap =
+            read_capture_file(f).map_err(|e| Error::InvalidArgument(format!("{file}: {e}")))?;
+        let port = port
+            .or(cap.roce_port)
+            .unwrap_or(rdmx_roce_proto::ROCEV2_PORT);
+        let frames = cap.frames;
         let mut ok = std::collections::BTreeMap::new();
         let (mut other, mut bad) = (0, 0);
         for (i, c) in frames.iter().enumerate() {
-            match check_frame(c) {
+            match check_frame_on(c, port) {
                 Verdict::Ok(op) => {
                     *ok.entry(op).or_insert(0usize) += 1;
                     if verbose {
@@ -101,10 +121,13 @@ pub(crate) fn run(a: PcapArgs) -> Result<(), Error> {
         }
         let roce: usize = ok.values().sum::<usize>() + bad;
         println!(
-            "{file}: {} frames, {roce} RoCEv2 ({} ok, {bad} bad), {other} other",
+            "{file}: {} frames, {roce} RoCEv2 ({} ok, {bad} bad), {other} other (RoCEv2 on UDP {port})",
             frames.len(),
             roce - bad
         );
+        if roce == 0 {
+            empty.push(file.as_str());
+        }
         for (op, n) in &ok {
             println!("  {:<34} {n:>6}", op.to_string());
         }
@@ -113,6 +136,13 @@ pub(crate) fn run(a: PcapArgs) -> Result<(), Error> {
     if failed > 0 {
         return Err(Error::Protocol(format!(
             "{failed} RoCEv2 packet(s) failed the check"
+        )));
+    }
+    if !empty.is_empty() && !allow_empty {
+        return Err(Error::InvalidArgument(format!(
+            "nothing verified: no RoCEv2 packet in {} (not Ethernet/IP/UDP to the RoCEv2 port; \
+             try --port, or --allow-empty to accept)",
+            empty.join(", ")
         )));
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! `rdmx perf`: like perftest's ib_write_bw / ib_read_lat, for any transport.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -19,9 +20,18 @@ const SINK: u8 = 0;
 /// Arguments of `rdmx perf`.
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Examples:\n  rdmx perf --loopback --baseline raw-tcp\n  \
-    rdmx perf server --listen 0.0.0.0:7471\n  rdmx perf client tcp://198.18.0.1:7471 --op write,read --json\n\n\
-    The server also serves the raw-TCP baseline on the next port (7472 for 7471)."
+    after_help = "Columns: p50_us/p99_us/p99.9_us are rdmx's latency percentiles in microseconds \
+    (one operation at a time); MB/s and ops/s are rdmx's bandwidth with --window operations \
+    in flight. With --baseline raw-tcp the same request/response shape also runs over a \
+    plain TCP socket with an 8-byte header and nothing else, interleaved with rdmx in the \
+    same run: raw_p50 and raw_MB/s are its figures, lat_x = rdmx p50 / raw p50 (below 1: \
+    rdmx is faster) and bw_x = rdmx MB/s / raw MB/s (above 1: rdmx is faster). Sizes take \
+    k, m, g suffixes in powers of 1024 (4k = 4096 bytes).\n\n\
+    Examples:\n  rdmx perf --loopback --baseline raw-tcp\n  \
+    rdmx perf server --listen 0.0.0.0:7471 --raw-baseline --metrics 127.0.0.1:9471\n  \
+    rdmx perf client tcp://198.18.0.1:7471 --op write,read --json --baseline raw-tcp\n\n\
+    With --raw-baseline the server also serves the raw-TCP baseline on the next port \
+    (7472 for 7471), behind the same --secret."
 )]
 pub(crate) struct PerfArgs {
     /// `server` or `client` (omit with --loopback).
@@ -41,34 +51,44 @@ pub(crate) struct PerfArgs {
     /// Operations: send, write, read, cas, faa (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "send,write,read,cas,faa")]
     op: Vec<String>,
-    /// Message sizes (comma-separated; k/m suffixes). cas and faa always use 8.
+    /// Message sizes (comma-separated; k/m/g = KiB/MiB/GiB). cas and faa always use 8.
     #[arg(long, value_delimiter = ',', default_value = "8,64,512,4k,32k,256k,1m")]
     sizes: Vec<String>,
     /// What to measure: lat, bw or both.
-    #[arg(long, default_value = "both")]
+    #[arg(long, default_value = "both", value_parser = ["lat", "bw", "both"])]
     mode: String,
     /// Latency iterations per point (fewer for large sizes).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
     /// Bandwidth run length per point, in milliseconds.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     duration_ms: u64,
     /// Operations kept in flight for bandwidth runs.
-    #[arg(long, default_value_t = 16)]
-    window: usize,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    window: u32,
     /// Print one JSON object per result instead of a table.
     #[arg(long)]
     json: bool,
     /// Draw latency and bandwidth against size into this SVG file.
     #[arg(long)]
     svg: Option<String>,
-    /// Also measure a baseline in the same run and print ratios (raw-tcp).
-    #[arg(long)]
+    /// Client: also measure this baseline in the same run and print ratios
+    /// (raw-tcp: the same shapes over a plain TCP socket).
+    #[arg(long, value_parser = ["raw-tcp"])]
     baseline: Option<String>,
+    /// Server: also serve the raw-TCP baseline on the next port (behind --secret).
+    #[arg(long)]
+    raw_baseline: bool,
+    /// Server: total bytes of regions lent to all clients at once (k/m/g).
+    #[arg(long, default_value = "4g")]
+    max_memory: String,
+    /// Server: serve Prometheus metrics (GET /metrics) on this address.
+    #[arg(long)]
+    metrics: Option<String>,
     /// Busy-poll sockets for this many microseconds before sleeping (rdmx and baseline).
     #[arg(long)]
     busy_poll_us: Option<u64>,
-    /// Shared secret for authentication (both ends).
+    /// Shared secret for authentication (both ends; the raw baseline too).
     #[arg(long)]
     secret: Option<String>,
     /// Transport policy: require, prefer, tcp-only.
@@ -76,10 +96,113 @@ pub(crate) struct PerfArgs {
     policy: String,
     /// Write every RoCEv2 packet the soft engine sends during the run to this
     /// pcap file (check it with `rdmx pcap check`, decode it with tshark).
+    /// Only for RDMA runs.
     #[arg(long)]
     capture: Option<String>,
 }
 
+/// One region per connection is lent at most this much.
+const MAX_REGION: u64 = 1 << 30;
+
+/// An operation `rdmx perf` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PerfOp {
+    Send,
+    Write,
+    Read,
+    Cas,
+    Faa,
+}
+
+impl PerfOp {
+    const ALL: [PerfOp; 5] = [
+        PerfOp::Send,
+        PerfOp::Write,
+        PerfOp::Read,
+        PerfOp::Cas,
+        PerfOp::Faa,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            PerfOp::Send => "send",
+            PerfOp::Write => "write",
+            PerfOp::Read => "read",
+            PerfOp::Cas => "cas",
+            PerfOp::Faa => "faa",
+        }
+    }
+
+    fn parse(s: &str) -> Result<PerfOp, Error> {
+        PerfOp::ALL
+            .into_iter()
+            .find(|o| o.name() == s.trim())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("unknown --op {s:?} (send, write, read, cas, faa)"))
+            })
+    }
+
+    fn atomic(self) -> bool {
+        matches!(self, PerfOp::Cas | PerfOp::Faa)
+    }
+}
+
+/// Everything a client run needs, checked before connecting.
+#[derive(Debug)]
+struct Plan {
+    ops: Vec<PerfOp>,
+    sizes: Vec<u64>,
+    lat: bool,
+    bw: bool,
+    baseline: bool,
+    region_len: u64,
+}
+
+fn plan(a: &PerfArgs) -> Result<Plan, Error> {
+    let ops =
+        a.op.iter()
+            .map(|o| PerfOp::parse(o))
+            .collect::<Result<Vec<_>, _>>()?;
+    if ops.is_empty() {
+        return Err(Error::InvalidArgument("--op names no operation".into()));
+    }
+    let sizes = a
+        .sizes
+        .iter()
+        .map(|s| parse_size(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    if sizes.is_empty() && ops.iter().any(|o| !o.atomic()) {
+        return Err(Error::InvalidArgument("--sizes names no size".into()));
+    }
+    let max = sizes.iter().copied().max().unwrap_or(8).max(8);
+    let region_len = max
+        .checked_mul(u64::from(a.window))
+        .filter(|&n| n <= MAX_REGION)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "the largest size ({max} bytes) times --window ({}) needs a larger region than \
+                 the {MAX_REGION}-byte (1 GiB) limit a perf server lends one client; lower one",
+                a.window
+            ))
+        })?;
+    for t in [&a.transport] {
+        if transports().get(t).is_none() {
+            return Err(Error::Unsupported(format!(
+                "transport {t:?} is not built into this rdmx (available: {:?})",
+                transports()
+            )));
+        }
+    }
+    a.policy.parse::<rdmx_core::Policy>()?;
+    Ok(Plan {
+        ops,
+        sizes,
+        lat: a.mode != "bw",
+        bw: a.mode != "lat",
+        baseline: a.baseline.is_some(),
+        region_len,
+    })
+}
 /// The baseline's figures for one point.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct Baseline {
@@ -117,18 +240,24 @@ pub(crate) fn transports() -> Transports {
         .with(rdmx_transport_rdma::RdmaTransport::new())
 }
 
-/// A byte count with an optional k, m or g suffix (powers of 1024).
+/// A byte count with an optional k, m or g suffix (KiB, MiB, GiB: powers of
+/// 1024). Overflow is an error, never a wrapped number.
 pub(crate) fn parse_size(s: &str) -> Result<u64, Error> {
-    let s = s.trim().to_ascii_lowercase();
-    let (num, mul) = match s.as_bytes().last() {
-        Some(b'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some(b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s.as_str(), 1),
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mul) = match t.as_bytes().last() {
+        Some(b'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some(b'm') => (&t[..t.len() - 1], 1 << 20),
+        Some(b'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t.as_str(), 1),
     };
     num.parse::<u64>()
-        .map(|n| n * mul)
-        .map_err(|_| Error::InvalidArgument(format!("bad size {s:?}")))
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "bad size {s:?} (a number with an optional k, m or g suffix, at most 2^64-1 bytes)"
+            ))
+        })
 }
 
 fn options(a: &PerfArgs) -> Result<Options, Error> {
@@ -157,43 +286,72 @@ fn raw_addr_for(rdmx_addr: &str) -> Result<String, Error> {
     Ok(format!("{host}:{}", port.wrapping_add(1)))
 }
 
+/// Bind the raw baseline's listener, naming the address on failure.
+async fn raw_listener(addr: &str) -> Result<TcpListener, Error> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Connect(format!("listen on {addr} (raw-tcp baseline): {e}")))
+}
+
+/// Whether a run asks for RDMA (so `--capture` has packets to write).
+fn is_rdma(scheme: &str) -> bool {
+    scheme != "tcp"
+}
+
 pub(crate) async fn run(a: PerfArgs) -> Result<(), Error> {
-    let ts = transports();
-    if ts.get(&a.transport).is_none() {
-        return Err(Error::Unsupported(format!(
-            "transport {:?} is not built into this rdmx (available: {ts:?})",
-            a.transport
-        )));
-    }
+    let secret: Option<Arc<[u8]>> = a.secret.as_deref().map(|s| Arc::from(s.as_bytes()));
+    let busy = a.busy_poll_us.map(Duration::from_micros);
     if a.loopback {
+        let p = plan(&a)?;
+        if a.capture.is_some() && !is_rdma(&a.transport) {
+            return Err(capture_needs_rdma());
+        }
         let opts = options(&a)?;
+        let ts = transports();
         let url = format!("{}://127.0.0.1:0", a.transport);
-        let (listener, _) = ts.listen(&url, &opts).await?;
+        let listener = ts.listen(&url, &opts).await?;
         let addr = listener.local_addr();
-        tokio::spawn(serve(listener));
-        let raw_l = TcpListener::bind("127.0.0.1:0").await.map_err(err)?;
+        tokio::spawn(serve(listener, Budget::new(MAX_REGION * 4)));
+        let raw_l = raw_listener("127.0.0.1:0").await?;
         let raw_addr = raw_l.local_addr().map_err(err)?.to_string();
-        tokio::spawn(raw::serve(raw_l, a.busy_poll_us.map(Duration::from_micros)));
-        return client(&a, &format!("{}://{addr}", a.transport), &raw_addr).await;
+        tokio::spawn(raw::serve(raw_l, busy, secret));
+        return client(&a, &p, &format!("{}://{addr}", a.transport), &raw_addr).await;
     }
     match a.role.as_deref() {
         Some("server") => {
+            if transports().get(&a.transport).is_none() {
+                return Err(Error::Unsupported(format!(
+                    "transport {:?} is not built into this rdmx (available: {:?})",
+                    a.transport,
+                    transports()
+                )));
+            }
+            let budget = Budget::new(parse_size(&a.max_memory)?);
             let opts = options(&a)?;
-            let raw_addr = raw_addr_for(&a.listen)?;
-            let raw_l = TcpListener::bind(&raw_addr).await.map_err(err)?;
-            tokio::spawn(raw::serve(raw_l, a.busy_poll_us.map(Duration::from_micros)));
-            let (listener, fallback) = ts
+            if let Some(m) = &a.metrics {
+                let at = rdmx_core::metrics::serve(m, None).await?;
+                eprintln!("rdmx perf server: metrics on http://{at}/metrics");
+            }
+            let listener = transports()
                 .listen(&format!("{}://{}", a.transport, a.listen), &opts)
                 .await?;
-            if let Some(f) = fallback {
-                eprintln!("rdmx perf: listening on TCP instead ({f})");
+            if let Some(f) = listener.fallback_reason() {
+                eprintln!("rdmx perf server: listening on TCP instead ({f})");
             }
+            let raw = if a.raw_baseline {
+                let raw_addr = raw_addr_for(&a.listen)?;
+                let raw_l = raw_listener(&raw_addr).await?;
+                tokio::spawn(raw::serve(raw_l, busy, secret));
+                format!(", raw-tcp baseline on {raw_addr}")
+            } else {
+                String::new()
+            };
             eprintln!(
-                "rdmx perf server: {} on {}, raw-tcp baseline on {raw_addr}",
-                a.transport,
+                "rdmx perf server: {} on {}{raw}",
+                listener.transport(),
                 listener.local_addr()
             );
-            serve(listener).await;
+            serve(listener, budget).await;
             Ok(())
         }
         Some("client") => {
@@ -202,49 +360,140 @@ pub(crate) async fn run(a: PerfArgs) -> Result<(), Error> {
                 .clone()
                 .ok_or_else(|| Error::InvalidArgument("client needs a URL".into()))?;
             let ep: rdmx_core::Endpoint = url.parse()?;
+            let p = plan(&a)?;
+            if a.capture.is_some() && !is_rdma(&ep.scheme) {
+                return Err(capture_needs_rdma());
+            }
             let raw_addr = raw_addr_for(&ep.addr)?;
-            client(&a, &url, &raw_addr).await
+            client(&a, &p, &url, &raw_addr).await
         }
-        _ => Err(Error::InvalidArgument(
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "perf role {other:?}: use `rdmx perf server`, `rdmx perf client URL` or `rdmx perf --loopback`"
+        ))),
+        None => Err(Error::InvalidArgument(
             "use `rdmx perf server`, `rdmx perf client URL` or `rdmx perf --loopback`".into(),
         )),
     }
 }
 
-/// The server: per connection, register the region the client asks for, tell
-/// it the descriptor, echo PING messages, and serve one-sided ops (the transport
-/// does that by itself).
-async fn serve(mut listener: rdmx_core::Listener) {
-    loop {
-        match listener.accept().await {
-            Ok(conn) => {
-                tokio::spawn(async move {
-                    if let Err(e) = serve_conn(conn).await {
-                        if !matches!(e, Error::Disconnected(_)) {
-                            eprintln!("rdmx perf server: {e}");
-                        }
-                    }
-                });
-            }
-            Err(e) => eprintln!("rdmx perf server: {e}"),
+fn capture_needs_rdma() -> Error {
+    Error::InvalidArgument(
+        "--capture writes the soft RoCE engine's packets; a tcp run has none (use --transport rdma or an rdma:// URL)"
+            .into(),
+    )
+}
+
+/// Region bytes lent to all clients of one server at once.
+#[derive(Clone)]
+pub(crate) struct Budget {
+    left: Arc<std::sync::atomic::AtomicU64>,
+    total: u64,
+}
+
+/// Bytes taken from a [`Budget`]; given back on drop.
+pub(crate) struct Lent {
+    left: Arc<std::sync::atomic::AtomicU64>,
+    n: u64,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.left
+            .fetch_add(self.n, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Budget {
+    pub(crate) fn new(total: u64) -> Budget {
+        Budget {
+            left: Arc::new(std::sync::atomic::AtomicU64::new(total)),
+            total,
+        }
+    }
+
+    /// Take `n` bytes, or say why not (per-client cap and what is left).
+    pub(crate) fn take(&self, n: u64, per_client: u64) -> Result<Lent, String> {
+        use std::sync::atomic::Ordering;
+        if n > per_client {
+            return Err(format!(
+                "a {n}-byte region was asked; this server lends at most {per_client} bytes per client"
+            ));
+        }
+        self.left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(n))
+            .map_err(|left| {
+                format!(
+                    "a {n}-byte region was asked; {left} of this server's {} bytes are left (--max-memory)",
+                    self.total
+                )
+            })?;
+        Ok(Lent {
+            left: self.left.clone(),
+            n,
+        })
+    }
+}
+
+/// First bytes of a server's refusal, in place of a region descriptor.
+const REFUSED: &[u8] = b"ERR ";
+
+/// The server: per connection, lend the region the client asks for (within
+/// the budget), tell it the descriptor, echo PING messages, and serve
+/// one-sided ops (the transport does that by itself). Keeps accepting
+/// whatever one client does.
+async fn serve(listener: rdmx_core::Listener, budget: Budget) {
+    listener
+        .serve("rdmx perf", move |conn| serve_conn(conn, budget.clone()))
+        .await
+}
+
+/// Read a client's 8-byte region request and lend it, or refuse with a
+/// reason the client prints. Returns the region and its share of the budget.
+pub(crate) async fn lend_region(
+    conn: &Connection,
+    budget: &Budget,
+    what: &str,
+) -> Result<Option<(rdmx_core::MemoryRegion, Lent)>, Error> {
+    let want = conn.recv_message().await?;
+    let size = u64::from_le_bytes(want[..].try_into().map_err(|_| {
+        Error::Protocol(format!(
+            "bad {what} hello ({} bytes, expected 8)",
+            want.len()
+        ))
+    })?);
+    match budget.take(size, MAX_REGION) {
+        Ok(lent) => {
+            let mr = conn.domain().register(size as usize, Access::ALL);
+            conn.send_region(&mr).await?;
+            Ok(Some((mr, lent)))
+        }
+        Err(why) => {
+            tracing::warn!(peer = ?conn.info().peer_addr, %why, "refused a region");
+            let mut m = REFUSED.to_vec();
+            m.extend_from_slice(why.as_bytes());
+            conn.send(m).await?;
+            Ok(None)
         }
     }
 }
 
-async fn serve_conn(conn: Connection) -> Result<(), Error> {
-    let want = conn.recv_message().await?;
-    let size = u64::from_le_bytes(
-        want[..]
-            .try_into()
-            .map_err(|_| Error::Protocol("bad perf hello".into()))?,
-    );
-    if size > 1 << 30 {
+/// Ask the server for a region of `len` bytes.
+pub(crate) async fn borrow_region(conn: &Connection, len: u64) -> Result<RemoteRegion, Error> {
+    conn.send(len.to_le_bytes().to_vec()).await?;
+    let m = conn.recv_message().await?;
+    if let Some(why) = m.strip_prefix(REFUSED) {
         return Err(Error::ResourceExhausted(format!(
-            "region of {size} bytes asked"
+            "the server refused: {}",
+            String::from_utf8_lossy(why)
         )));
     }
-    let mr = conn.domain().register(size as usize, Access::ALL);
-    conn.send(mr.remote().to_bytes().to_vec()).await?;
+    RemoteRegion::from_message(&m)
+}
+
+async fn serve_conn(conn: Connection, budget: Budget) -> Result<(), Error> {
+    let Some((_mr, _lent)) = lend_region(&conn, &budget, "perf").await? else {
+        return Ok(());
+    };
     loop {
         match conn.recv().await? {
             Incoming::Message(m) if m.first() == Some(&PING) => conn.send(m).await?,
@@ -268,51 +517,50 @@ fn lat_iters(a: &PerfArgs, size: u64) -> u64 {
 
 async fn one_op(
     c: &Connection,
-    op: &str,
+    op: PerfOp,
     region: RemoteRegion,
     payload: &Bytes,
 ) -> Result<(), Error> {
     match op {
-        "send" => {
+        PerfOp::Send => {
             c.send(payload.clone()).await?;
             c.recv_message().await?;
         }
-        "write" => c.write(payload.clone(), region).await?,
-        "read" => {
+        PerfOp::Write => c.write(payload.clone(), region).await?,
+        PerfOp::Read => {
             c.read(region).await?;
         }
-        "cas" => {
+        PerfOp::Cas => {
             c.compare_and_swap(region, 0, 0).await?;
         }
-        "faa" => {
+        PerfOp::Faa => {
             c.fetch_and_add(region, 1).await?;
         }
-        other => return Err(Error::InvalidArgument(format!("unknown op {other:?}"))),
     }
     Ok(())
 }
 
 /// Request/response bytes of the raw baseline that mirror `op`.
-fn raw_shape(op: &str, size: u64) -> (usize, usize) {
+fn raw_shape(op: PerfOp, size: u64) -> (usize, usize) {
     let s = size as usize;
     match op {
-        "send" => (s, s),
-        "write" => (s, 1),
-        "read" => (0, s),
-        "cas" => (24, 8),
-        _ => (16, 8),
+        PerfOp::Send => (s, s),
+        PerfOp::Write => (s, 1),
+        PerfOp::Read => (0, s),
+        PerfOp::Cas => (24, 8),
+        PerfOp::Faa => (16, 8),
     }
 }
 
-fn payload(op: &str, size: u64, tag: u8) -> Bytes {
+fn payload(op: PerfOp, size: u64, tag: u8) -> Bytes {
     let mut v = vec![0x42u8; size as usize];
-    if op == "send" {
+    if op == PerfOp::Send {
         v[0] = tag;
     }
     Bytes::from(v)
 }
 
-async fn client(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
+async fn client(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<(), Error> {
     let capture = match &a.capture {
         Some(path) => {
             let dev = rdmx_transport_rdma::SoftRoce::global()?;
@@ -321,27 +569,29 @@ async fn client(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
         }
         None => None,
     };
-    let r = measure(a, url, raw_addr).await;
+    let r = measure(a, p, url, raw_addr).await;
     if let Some((dev, path)) = capture {
         let frames = dev.stop_capture();
-        eprintln!("rdmx perf: wrote {frames} RoCEv2 frames to {path}");
+        eprintln!(
+            "rdmx perf: wrote {frames} RoCEv2 frames to {path} (UDP port {})",
+            dev.port()
+        );
     }
     r
 }
 
-async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
+async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<(), Error> {
     let opts = options(a)?;
-    let ts = transports();
-    let conn = ts.connect(url, &opts).await?;
-    let mut sizes = Vec::new();
-    for s in &a.sizes {
-        sizes.push(parse_size(s)?);
+    let conn = transports().connect(url, &opts).await?;
+    let limit = conn.capabilities().max_message_size;
+    if p.ops.contains(&PerfOp::Send) {
+        if let Some(&big) = p.sizes.iter().find(|&&s| s > limit) {
+            return Err(Error::InvalidArgument(format!(
+                "send of {big} bytes: the peer accepts messages of at most {limit} bytes"
+            )));
+        }
     }
-    let max = sizes.iter().copied().max().unwrap_or(8).max(8);
-    let region_len = max * a.window.max(1) as u64;
-    conn.send(region_len.to_le_bytes().to_vec()).await?;
-    let theirs = RemoteRegion::from_bytes(&conn.recv_message().await?)
-        .ok_or_else(|| Error::Protocol("bad region descriptor from perf server".into()))?;
+    let theirs = borrow_region(&conn, p.region_len).await?;
     if !a.json {
         println!(
             "# rdmx perf: {url} over {} (provider {}){}{}",
@@ -356,24 +606,12 @@ async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
                 ""
             }
         );
-    }
-    let baseline = match a.baseline.as_deref() {
-        None => false,
-        Some("raw-tcp") => true,
-        Some(other) => {
-            return Err(Error::InvalidArgument(format!(
-                "unknown baseline {other:?} (raw-tcp)"
-            )))
+        if p.baseline {
+            println!(
+                "# raw_* = the same request/response shape over a plain TCP socket, same run; \
+                 lat_x = p50 / raw_p50 (< 1: rdmx faster), bw_x = MB/s / raw_MB/s (> 1: rdmx faster)"
+            );
         }
-    };
-    let busy = a.busy_poll_us.map(Duration::from_micros);
-    let (do_lat, do_bw) = match a.mode.as_str() {
-        "lat" => (true, false),
-        "bw" => (false, true),
-        _ => (true, true),
-    };
-    let mut results = Vec::new();
-    if !a.json {
         println!(
             "{:<10} {:<5} {:>8} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9} {:>10} {:>8}",
             "transport",
@@ -390,21 +628,24 @@ async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
             "bw_x"
         );
     }
-    for op in &a.op {
-        let op_sizes: Vec<u64> = if op == "cas" || op == "faa" {
+    let busy = a.busy_poll_us.map(Duration::from_micros);
+    let secret = a.secret.as_deref().map(str::as_bytes);
+    let mut results = Vec::new();
+    for &op in &p.ops {
+        let op_sizes: Vec<u64> = if op.atomic() {
             vec![8]
         } else {
-            sizes.clone()
+            p.sizes.clone()
         };
         for &size in &op_sizes {
-            if op == "send" && size == 0 {
+            if op == PerfOp::Send && size == 0 {
                 continue;
             }
             let region = theirs.slice(0, size)?;
             let mut r = PerfResult {
                 transport: conn.transport().to_string(),
                 provider: conn.info().provider.clone(),
-                op: op.clone(),
+                op: op.name().to_string(),
                 size,
                 iters: 0,
                 p50_us: None,
@@ -424,12 +665,16 @@ async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
                 mb_per_s: None,
                 ops_per_s: None,
             };
-            if do_lat {
+            if p.lat {
                 let iters = lat_iters(a, size);
-                let p = payload(op, size, PING);
+                let pl = payload(op, size, PING);
                 let (req, resp) = raw_shape(op, size);
-                let mut rc = match baseline {
-                    true => Some(RawClient::connect(raw_addr, busy).await.map_err(err)?),
+                let mut rc = match p.baseline {
+                    true => Some(
+                        RawClient::connect(raw_addr, busy, secret)
+                            .await
+                            .map_err(err)?,
+                    ),
                     false => None,
                 };
                 // Interleave rdmx and baseline in blocks so both see the same
@@ -440,7 +685,7 @@ async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
                 for b in 0..blocks {
                     for _ in 0..per {
                         let t = Instant::now();
-                        one_op(&conn, op, region, &p).await?;
+                        one_op(&conn, op, region, &pl).await?;
                         if b > 0 {
                             h.record(t.elapsed().as_nanos() as u64).expect("in bounds");
                         }
@@ -462,23 +707,33 @@ async fn measure(a: &PerfArgs, url: &str, raw_addr: &str) -> Result<(), Error> {
                 base.p50_us = us(&hb, 0.5);
                 base.p99_us = us(&hb, 0.99);
             }
-            if do_bw {
+            if p.bw {
                 let dur = Duration::from_millis(a.duration_ms);
-                let (ops, elapsed) = bandwidth(&conn, op, theirs, size, a.window, dur).await?;
+                let window = a.window as usize;
+                let (ops, elapsed) = bandwidth(&conn, op, theirs, size, window, dur).await?;
                 let secs = elapsed.as_secs_f64();
                 r.ops_per_s = Some(ops as f64 / secs);
                 r.mb_per_s = Some(ops as f64 * size as f64 / secs / 1e6);
-                if baseline {
+                if p.baseline {
                     let (req, resp) = raw_shape(op, size);
-                    let (req, resp) = if op == "send" { (req, 0) } else { (req, resp) };
-                    let rc = RawClient::connect(raw_addr, busy).await.map_err(err)?;
-                    let (n, el) = rc.stream(req, resp, a.window, dur).await.map_err(err)?;
+                    let rc = RawClient::connect(raw_addr, busy, secret)
+                        .await
+                        .map_err(err)?;
+                    // Same shape as rdmx's: sends are one-way messages
+                    // proven by a final round trip; the rest keep `window`
+                    // requests in flight.
+                    let (n, el) = if op == PerfOp::Send {
+                        rc.one_way(req, dur).await
+                    } else {
+                        rc.stream(req, resp, window, dur).await
+                    }
+                    .map_err(err)?;
                     let secs = el.as_secs_f64();
                     base.ops_per_s = Some(n as f64 / secs);
                     base.mb_per_s = Some(n as f64 * size as f64 / secs / 1e6);
                 }
             }
-            if baseline {
+            if p.baseline {
                 r.lat_ratio = r.p50_us.zip(base.p50_us).map(|(x, b)| x / b);
                 r.bw_ratio = r.mb_per_s.zip(base.mb_per_s).map(|(x, b)| x / b);
                 r.baseline = Some(base);
@@ -524,7 +779,7 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
 /// Keep `window` operations in flight for `dur`; returns (completed, elapsed).
 async fn bandwidth(
     c: &Connection,
-    op: &str,
+    op: PerfOp,
     theirs: RemoteRegion,
     size: u64,
     window: usize,
@@ -532,7 +787,7 @@ async fn bandwidth(
 ) -> Result<(u64, Duration), Error> {
     let start = Instant::now();
     let mut done = 0u64;
-    if op == "send" {
+    if op == PerfOp::Send {
         // Sends complete locally once queued (credits pace them); a final PING
         // round trip proves every message arrived.
         let p = payload(op, size, SINK);
@@ -553,8 +808,7 @@ async fn bandwidth(
         slot += 1;
         let c = c.clone();
         let p = p.clone();
-        let op = op.to_string();
-        inflight.push(async move { one_op(&c, &op, region, &p).await });
+        inflight.push(async move { one_op(&c, op, region, &p).await });
         Ok(())
     };
     for _ in 0..window {
@@ -580,6 +834,8 @@ mod tests {
         assert_eq!(parse_size("4k").unwrap(), 4096);
         assert_eq!(parse_size("1M").unwrap(), 1 << 20);
         assert!(parse_size("x").is_err());
+        assert_eq!(parse_size("16m").unwrap(), 16 << 20);
+        assert!(parse_size("17179869184g").is_err(), "overflow is an error");
         assert_eq!(raw_addr_for("127.0.0.1:7471").unwrap(), "127.0.0.1:7472");
     }
 }

@@ -3,48 +3,121 @@
 //! `--baseline raw-tcp` shows what rdmx's framing, flow control and
 //! bookkeeping cost.
 //!
+//! Once per connection the server sends a 16-byte nonce and the client
+//! answers with `HMAC-SHA256(secret, "rdmx-perf-raw" | nonce)` (zeros without
+//! a secret); a server with a secret closes on a wrong proof, so the baseline
+//! is no easier to reach than the rdmx port beside it. This costs one round
+//! trip at connect, nothing per request.
+//!
 //! Request: `req_len u32 | resp_len u32 | req_len bytes`; the server answers
-//! with `resp_len` bytes (none when `resp_len` is 0).
+//! with `resp_len` bytes (none when `resp_len` is 0). Both lengths are bounded
+//! by [`MAX_LEN`] and the server never allocates by them: payloads are read
+//! into and answered from one fixed buffer.
 
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-/// Serve raw baseline connections forever (busy-polling like the client when
-/// `busy_poll` is set, so both baselines are in the same polling mode as rdmx).
-pub(crate) async fn serve(l: TcpListener, busy_poll: Option<Duration>) {
+/// The largest request or answer one baseline request may name (the perf
+/// server's region limit, so every rdmx size has its baseline).
+pub(crate) const MAX_LEN: usize = 1 << 30;
+
+/// The buffer the server streams payloads through.
+const CHUNK: usize = 1 << 20;
+
+const LABEL: &[u8] = b"rdmx-perf-raw";
+
+fn proof(secret: Option<&[u8]>, nonce: &[u8; 16]) -> [u8; 32] {
+    match secret {
+        None => [0; 32],
+        Some(k) => {
+            let mut m =
+                <Hmac<Sha256> as Mac>::new_from_slice(k).expect("HMAC takes any key length");
+            m.update(LABEL);
+            m.update(nonce);
+            m.finalize().into_bytes().into()
+        }
+    }
+}
+
+/// Serve raw baseline connections until the task is dropped (busy-polling
+/// like the client when `busy_poll` is set, so both baselines are in the same
+/// polling mode as rdmx). A failed connection never stops the loop.
+pub(crate) async fn serve(l: TcpListener, busy_poll: Option<Duration>, secret: Option<Arc<[u8]>>) {
     loop {
-        let Ok((s, _)) = l.accept().await else {
-            continue;
+        let s = match l.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "raw-tcp baseline: accept failed; still accepting");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
         };
         let _ = s.set_nodelay(true);
+        let secret = secret.clone();
         tokio::spawn(async move {
-            let _ = serve_one(s, busy_poll).await;
+            if let Err(e) = serve_one(s, busy_poll, secret.as_deref()).await {
+                if e.kind() != io::ErrorKind::UnexpectedEof {
+                    tracing::warn!(error = %e, "raw-tcp baseline: connection closed");
+                }
+            }
         });
     }
 }
 
-async fn serve_one(s: TcpStream, busy: Option<Duration>) -> io::Result<()> {
+async fn serve_one(
+    mut s: TcpStream,
+    busy: Option<Duration>,
+    secret: Option<&[u8]>,
+) -> io::Result<()> {
+    let nonce: [u8; 16] = rand::random();
+    s.write_all(&nonce).await?;
+    let mut got = [0u8; 32];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut got))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no proof within 10 s"))??;
+    if let Some(k) = secret {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(k).expect("HMAC takes any key length");
+        m.update(LABEL);
+        m.update(&nonce);
+        if m.verify_slice(&got).is_err() {
+            s.write_all(&[1]).await?;
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "client's proof does not match our secret",
+            ));
+        }
+    }
+    s.write_all(&[0]).await?;
     let mut hdr = [0u8; 8];
-    let mut buf = vec![0u8; 1 << 20];
-    let mut resp = Vec::new();
+    let mut buf = vec![0x5au8; CHUNK];
     loop {
         read_full(&s, &mut hdr, busy).await?;
         let req = u32::from_le_bytes(hdr[..4].try_into().expect("4")) as usize;
         let rlen = u32::from_le_bytes(hdr[4..].try_into().expect("4")) as usize;
+        if req > MAX_LEN || rlen > MAX_LEN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("request names {req}/{rlen} bytes, over the {MAX_LEN}-byte limit"),
+            ));
+        }
         let mut left = req;
         while left > 0 {
-            let n = left.min(buf.len());
+            let n = left.min(CHUNK);
             read_full(&s, &mut buf[..n], busy).await?;
             left -= n;
         }
-        if rlen > 0 {
-            resp.resize(rlen, 0x5a);
-            write_full(&s, &resp).await?;
+        let mut left = rlen;
+        while left > 0 {
+            let n = left.min(CHUNK);
+            write_full(&s, &buf[..n]).await?;
+            left -= n;
         }
     }
 }
@@ -96,9 +169,34 @@ pub(crate) struct RawClient {
 }
 
 impl RawClient {
-    pub(crate) async fn connect(addr: &str, busy_poll: Option<Duration>) -> io::Result<RawClient> {
-        let s = TcpStream::connect(addr).await?;
+    /// Connect and prove the shared secret (if any).
+    pub(crate) async fn connect(
+        addr: &str,
+        busy_poll: Option<Duration>,
+        secret: Option<&[u8]>,
+    ) -> io::Result<RawClient> {
+        let mut s = TcpStream::connect(addr).await.map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "raw-tcp baseline at {addr}: {e} (a perf server serves it only when started with --raw-baseline)"
+                ),
+            )
+        })?;
         s.set_nodelay(true)?;
+        let mut nonce = [0u8; 16];
+        s.read_exact(&mut nonce).await?;
+        s.write_all(&proof(secret, &nonce)).await?;
+        let mut verdict = [0u8; 1];
+        s.read_exact(&mut verdict).await?;
+        if verdict[0] != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "raw-tcp baseline at {addr} refused our secret (pass the server's --secret)"
+                ),
+            ));
+        }
         Ok(RawClient {
             s,
             busy_poll,
@@ -120,6 +218,29 @@ impl RawClient {
         write_full(&self.s, &self.req).await?;
         self.resp.resize(resp, 0);
         read_full(&self.s, &mut self.resp, self.busy_poll).await
+    }
+
+    /// One-way messages of `req` bytes for `dur`, paced only by TCP's own flow
+    /// control, then one round trip that proves every message arrived: the
+    /// shape of rdmx's send bandwidth run (messages complete once queued,
+    /// credits pace them, a final PING). Returns (messages, elapsed).
+    pub(crate) async fn one_way(
+        mut self,
+        req: usize,
+        dur: Duration,
+    ) -> io::Result<(u64, Duration)> {
+        let mut frame = Vec::with_capacity(8 + req);
+        frame.extend_from_slice(&(req as u32).to_le_bytes());
+        frame.extend_from_slice(&0u32.to_le_bytes());
+        frame.resize(8 + req, 0xa5);
+        let start = Instant::now();
+        let mut sent = 0u64;
+        while start.elapsed() < dur {
+            self.s.write_all(&frame).await?;
+            sent += 1;
+        }
+        self.round_trip(0, 1).await?;
+        Ok((sent, start.elapsed()))
     }
 
     /// Pipelined transfer for `dur`, `window` requests outstanding; returns
@@ -167,5 +288,51 @@ impl RawClient {
         drop(w);
         reader.abort();
         Ok((sent, elapsed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn server(secret: Option<&'static [u8]>) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(serve(l, None, secret.map(Arc::from)));
+        addr
+    }
+
+    #[tokio::test]
+    async fn secret_is_required_and_checked() {
+        let addr = server(Some(b"s3cret")).await;
+        let mut c = RawClient::connect(&addr, None, Some(b"s3cret"))
+            .await
+            .unwrap();
+        c.round_trip(5, 7).await.unwrap();
+        assert_eq!(c.resp.len(), 7);
+        for wrong in [None, Some(&b"nope"[..])] {
+            let e = RawClient::connect(&addr, None, wrong).await.err().unwrap();
+            assert!(e.to_string().contains("refused our secret"), "{e}");
+        }
+    }
+
+    /// A request naming 4 GiB - 1 of answer is refused (the connection is
+    /// closed) without the server allocating it; the server keeps serving.
+    #[tokio::test]
+    async fn oversized_requests_close_that_connection_only() {
+        let addr = server(None).await;
+        let mut c = RawClient::connect(&addr, None, None).await.unwrap();
+        c.frame(0, u32::MAX as usize);
+        write_full(&c.s, &c.req).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), c.s.read(&mut b))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert_eq!(n, 0, "the server closes instead of answering");
+        let mut c = RawClient::connect(&addr, None, None).await.unwrap();
+        c.round_trip(3, 3).await.unwrap();
+        let (n, _) = c.one_way(100, Duration::from_millis(20)).await.unwrap();
+        assert!(n > 0);
     }
 }

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use rdmx_core::{Access, Connection, Error, Options, RemoteRegion, Transports};
+use rdmx_core::{Connection, Error, Options, Transports};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 use serde::Serialize;
 
-use crate::perf::parse_size;
+use crate::perf::{borrow_region, lend_region, parse_size, Budget};
 use sha2::{Digest, Sha256};
 
 /// Arguments of `rdmx soak`.
@@ -32,12 +32,19 @@ pub(crate) struct SoakArgs {
     /// Server: transport (tcp or rdma).
     #[arg(long, default_value = "rdma")]
     transport: String,
-    /// Bytes to move in total (k/m/g suffixes).
+    /// Bytes to move in total (k/m/g = KiB/MiB/GiB: 16m is 16 MiB, 16777216 bytes).
     #[arg(long, default_value = "256m")]
     bytes: String,
-    /// Size of each operation (k/m suffixes).
+    /// Size of each write and read (k/m/g = KiB/MiB/GiB), at most 128 MiB; a
+    /// send larger than the peer's message limit goes as several messages.
     #[arg(long, default_value = "1m")]
     chunk: String,
+    /// Server: total bytes of regions lent to all clients at once (k/m/g).
+    #[arg(long, default_value = "4g")]
+    max_memory: String,
+    /// Server: serve Prometheus metrics (GET /metrics) on this address.
+    #[arg(long)]
+    metrics: Option<String>,
     /// Soft RoCE: use go-back-N instead of selective repeat (what NICs speak;
     /// one end asking is enough).
     #[arg(long)]
@@ -47,21 +54,73 @@ pub(crate) struct SoakArgs {
     json: bool,
 }
 
-/// What a soak run measured.
+/// Write/read slots the client's region holds.
+const SLOTS: u64 = 8;
+
+/// The largest chunk: [`SLOTS`] of them fill the 1 GiB a server lends a client.
+const MAX_CHUNK: u64 = 128 << 20;
+
+/// What a soak run measured (RDMA counters only on RDMA runs).
 #[derive(Debug, Serialize)]
 pub(crate) struct SoakReport {
     transport: String,
     provider: String,
     bytes: u64,
+    chunk: u64,
     seconds: f64,
     goodput_mb_per_s: f64,
     ops: u64,
     verified: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma: Option<RdmaCounters>,
+    /// Set when the run stopped early: what failed (bytes/ops are what was verified before).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// Protocol counters of an RDMA run.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct RdmaCounters {
     retransmits: u64,
     naks: u64,
     rnr_naks: u64,
     cnps: u64,
     ce_marked: u64,
+}
+
+impl SoakReport {
+    fn print(&self, json: bool) {
+        if json {
+            println!("{}", serde_json::to_string(self).expect("serialisable"));
+            return;
+        }
+        let head = if self.error.is_some() {
+            "FAILED after"
+        } else {
+            "ok:"
+        };
+        print!(
+            "{} over {}: {head} {} bytes ({} MiB) verified in {} ops of up to {} bytes, {:.2} s, {:.0} MB/s goodput",
+            self.transport,
+            self.provider,
+            self.bytes,
+            self.bytes >> 20,
+            self.ops,
+            self.chunk,
+            self.seconds,
+            self.goodput_mb_per_s
+        );
+        if let Some(r) = &self.rdma {
+            print!(
+                "; retransmits {}, NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}",
+                r.retransmits, r.naks, r.rnr_naks, r.cnps, r.ce_marked
+            );
+        }
+        println!();
+        if let Some(e) = &self.error {
+            println!("error: {e}");
+        }
+    }
 }
 
 /// The transports; a soft RoCE device only if this run uses RDMA (so a TCP
@@ -104,23 +163,32 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
         "server" => a.transport != "tcp",
         _ => a.url.as_deref().is_some_and(|u| !u.starts_with("tcp://")),
     };
+    // Check every size before touching the network.
+    let total = parse_size(&a.bytes)?;
+    let chunk = parse_size(&a.chunk)?;
+    if chunk == 0 || chunk > MAX_CHUNK {
+        return Err(Error::InvalidArgument(format!(
+            "--chunk {} is {chunk} bytes; it must be 1 byte to {MAX_CHUNK} bytes (128 MiB: \
+             {SLOTS} slots fill the 1 GiB region a server lends one client)",
+            a.chunk
+        )));
+    }
+    let budget = Budget::new(parse_size(&a.max_memory)?);
     let (ts, dev) = transports(a.go_back_n, rdma)?;
     let opts = Options::default();
     match a.role.as_str() {
         "server" => {
-            let (mut l, _) = ts
+            if let Some(m) = &a.metrics {
+                let at = rdmx_core::metrics::serve(m, None).await?;
+                eprintln!("rdmx soak server: metrics on http://{at}/metrics");
+            }
+            let l = ts
                 .listen(&format!("{}://{}", a.transport, a.listen), &opts)
                 .await?;
-            eprintln!("rdmx soak server: {} on {}", a.transport, l.local_addr());
-            loop {
-                let conn = l.accept().await?;
-                tokio::spawn(async move {
-                    match serve(conn).await {
-                        Err(Error::Disconnected(_)) | Ok(()) => {}
-                        Err(e) => eprintln!("rdmx soak server: {e}"),
-                    }
-                });
-            }
+            eprintln!("rdmx soak server: {} on {}", l.transport(), l.local_addr());
+            l.serve("rdmx soak", move |conn| serve(conn, budget.clone()))
+                .await;
+            Ok(())
         }
         "client" => {
             let url = a
@@ -129,33 +197,15 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
                 .ok_or_else(|| Error::InvalidArgument("client needs a URL".into()))?;
             let conn = ts.connect(url, &opts).await?;
             let before = dev.as_ref().map_or(0, |d| d.stats().ce_marked);
-            let mut report = client(&conn, parse_size(&a.bytes)?, parse_size(&a.chunk)?).await?;
-            if let Some(d) = &dev {
-                report.ce_marked = d.stats().ce_marked - before;
+            let mut report = client(&conn, total, chunk).await?;
+            if let (Some(d), Some(r)) = (&dev, report.rdma.as_mut()) {
+                r.ce_marked = d.stats().ce_marked - before;
             }
-            if a.json {
-                println!(
-                    "{}",
-                    serde_json::to_string(&report).map_err(|e| Error::Protocol(e.to_string()))?
-                );
-            } else {
-                println!(
-                    "{} over {}: {} bytes in {:.2} s, {:.0} MB/s goodput, {} ops verified; \
-                     retransmits {}, NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}",
-                    report.transport,
-                    report.provider,
-                    report.bytes,
-                    report.seconds,
-                    report.goodput_mb_per_s,
-                    report.ops,
-                    report.retransmits,
-                    report.naks,
-                    report.rnr_naks,
-                    report.cnps,
-                    report.ce_marked
-                );
+            report.print(a.json);
+            match report.error {
+                None => Ok(()),
+                Some(e) => Err(Error::Protocol(format!("soak failed: {e}"))),
             }
-            Ok(())
         }
         r => Err(Error::InvalidArgument(format!(
             "soak role {r:?}: use `server` or `client URL`"
@@ -163,18 +213,11 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
     }
 }
 
-/// Server: give the client a region; answer each message with its SHA-256.
-async fn serve(conn: Connection) -> Result<(), Error> {
-    let len = u64::from_le_bytes(
-        conn.recv_message().await?[..]
-            .try_into()
-            .map_err(|_| Error::Protocol("bad soak hello".into()))?,
-    );
-    if len > 1 << 30 {
-        return Err(Error::ResourceExhausted(format!("{len}-byte region asked")));
-    }
-    let mr = conn.domain().register(len as usize, Access::ALL);
-    conn.send(mr.remote().to_bytes().to_vec()).await?;
+/// Server: lend the client a region; answer each message with its SHA-256.
+async fn serve(conn: Connection, budget: Budget) -> Result<(), Error> {
+    let Some((_mr, _lent)) = lend_region(&conn, &budget, "soak").await? else {
+        return Ok(());
+    };
     loop {
         let m = conn.recv_message().await?;
         let digest: [u8; 32] = Sha256::digest(&m).into();
@@ -182,60 +225,91 @@ async fn serve(conn: Connection) -> Result<(), Error> {
     }
 }
 
-/// Client: writes, reads back and sends `total` bytes in `chunk`s, checking all.
+/// Progress of a run: what has been verified so far.
+#[derive(Default)]
+struct Progress {
+    moved: u64,
+    ops: u64,
+}
+
+/// Client: writes, reads back and sends `total` bytes in `chunk`s, checking
+/// all. A failure mid-run is reported with what was verified before it.
 async fn client(conn: &Connection, total: u64, chunk: u64) -> Result<SoakReport, Error> {
-    let chunk = chunk.clamp(1, 8 << 20);
-    let slots = 8u64;
-    conn.send((chunk * slots).to_le_bytes().to_vec()).await?;
-    let region = RemoteRegion::from_bytes(&conn.recv_message().await?)
-        .ok_or_else(|| Error::Protocol("bad region from soak server".into()))?;
+    let region = borrow_region(conn, chunk * SLOTS).await?;
     let before = conn.stats();
     let t0 = Instant::now();
-    let (mut moved, mut ops, mut i) = (0u64, 0u64, 0u64);
-    while moved < total {
-        let len = chunk.min(total - moved) as usize;
-        let payload = data(i, len);
-        match i % 3 {
-            // Write, then read the same range back.
-            0 | 1 => {
-                let dst = region.slice((i % slots) * chunk, len as u64)?;
-                conn.write(payload.clone(), dst).await?;
-                let back = conn.read(dst).await?;
-                if Sha256::digest(&back) != Sha256::digest(&payload) {
-                    return Err(Error::Protocol(format!("op {i}: read back differs")));
-                }
-                moved += 2 * len as u64;
-                ops += 2;
-            }
-            // A message; the server answers with its digest.
-            _ => {
-                let len = len.min(conn.capabilities().max_message_size as usize);
-                let msg = payload.slice(..len);
-                conn.send(msg.clone()).await?;
-                let digest = conn.recv_message().await?;
-                if digest[..] != Sha256::digest(&msg)[..] {
-                    return Err(Error::Protocol(format!("op {i}: message digest differs")));
-                }
-                moved += len as u64;
-                ops += 1;
-            }
-        }
-        i += 1;
-    }
+    let mut p = Progress::default();
+    let res = run_mix(conn, region, total, chunk, &mut p).await;
     let secs = t0.elapsed().as_secs_f64();
     let after = conn.stats();
-    Ok(SoakReport {
-        transport: conn.transport().to_string(),
-        provider: conn.info().provider.clone(),
-        bytes: moved,
-        seconds: secs,
-        goodput_mb_per_s: moved as f64 / secs / 1e6,
-        ops,
-        verified: true,
+    let rdma = (conn.transport() != "tcp").then(|| RdmaCounters {
         retransmits: after.retransmits - before.retransmits,
         naks: after.naks - before.naks,
         rnr_naks: after.rnr_naks - before.rnr_naks,
         cnps: after.cnps - before.cnps,
         ce_marked: 0,
+    });
+    Ok(SoakReport {
+        transport: conn.transport().to_string(),
+        provider: conn.info().provider.clone(),
+        bytes: p.moved,
+        chunk,
+        seconds: secs,
+        goodput_mb_per_s: p.moved as f64 / secs.max(1e-9) / 1e6,
+        ops: p.ops,
+        verified: res.is_ok(),
+        rdma,
+        error: res.err().map(|e| e.to_string()),
     })
+}
+
+async fn run_mix(
+    conn: &Connection,
+    region: rdmx_core::RemoteRegion,
+    total: u64,
+    chunk: u64,
+    p: &mut Progress,
+) -> Result<(), Error> {
+    let max_msg = conn.capabilities().max_message_size.max(1);
+    let mut i = 0u64;
+    while p.moved < total {
+        let left = total - p.moved;
+        // A write and its read-back move 2 × len, so the total is exact.
+        let pair = i % 3 != 2 && left >= 2;
+        let len = if pair {
+            chunk.min(left / 2)
+        } else {
+            chunk.min(left)
+        } as usize;
+        let payload = data(i, len);
+        match pair {
+            // Write, then read the same range back.
+            true => {
+                let dst = region.slice((i % SLOTS) * chunk, len as u64)?;
+                conn.write(payload.clone(), dst).await?;
+                let back = conn.read(dst).await?;
+                if Sha256::digest(&back) != Sha256::digest(&payload) {
+                    return Err(Error::Protocol(format!("op {i}: read back differs")));
+                }
+                p.moved += 2 * len as u64;
+                p.ops += 2;
+            }
+            // Messages (the whole chunk, in pieces the peer accepts); the
+            // server answers each with its digest.
+            false => {
+                for piece in payload.chunks(max_msg as usize) {
+                    let msg = payload.slice_ref(piece);
+                    conn.send(msg.clone()).await?;
+                    let digest = conn.recv_message().await?;
+                    if digest[..] != Sha256::digest(&msg)[..] {
+                        return Err(Error::Protocol(format!("op {i}: message digest differs")));
+                    }
+                    p.moved += msg.len() as u64;
+                    p.ops += 1;
+                }
+            }
+        }
+        i += 1;
+    }
+    Ok(())
 }

@@ -97,7 +97,13 @@ impl Drop for Server {
 
 fn start_server(port: u16) -> Server {
     let mut child = rdmx()
-        .args(["perf", "server", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "perf",
+            "server",
+            "--raw-baseline",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -193,8 +199,14 @@ fn unknown_transport_is_a_clear_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not built into this rdmx"));
 }
 
+/// The real-NIC captures kept in the repo (`RDMX_CAPTURES` overrides, as in
+/// roce-proto's capture tests).
 fn captures() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/rocev2-captures")
+    std::env::var_os("RDMX_CAPTURES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/rocev2-captures")
+        })
 }
 
 #[test]
@@ -245,6 +257,10 @@ fn pcap_check_passes_real_captures_and_fails_corrupt_ones() {
 /// (when installed; required in CI) decodes the same opcodes, QPNs, PSNs and
 /// UDP lengths that our own decoder reads from the file.
 #[test]
+#[cfg_attr(
+    rdmx_missing_tshark,
+    ignore = "needs tshark (apt-get install tshark); CI runs it"
+)]
 fn perf_capture_over_soft_roce_decodes_with_tshark() {
     let dir = std::env::temp_dir().join(format!("rdmx-cap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use crate::caps::Capabilities;
 use crate::error::{Error, Result};
-use crate::memory::{AtomicOp, Domain, LocalSlice, RemoteRegion};
+use crate::memory::{AtomicOp, Domain, LocalSlice, MemoryRegion, RemoteRegion};
 use crate::stats::{Stats, StatsSnapshot};
 
 /// A boxed, sendable future (what transports return).
@@ -222,6 +222,7 @@ impl Connection {
     /// Wrap a transport's connection. `op_timeout` is the default deadline.
     pub fn new(raw: Arc<dyn RawConnection>, op_timeout: Duration) -> Connection {
         let info = Arc::new(raw.info());
+        crate::metrics::track(&raw, &info);
         Connection {
             raw,
             info,
@@ -303,6 +304,29 @@ impl Connection {
             OpKind::Recv,
             0,
             Box::pin(async move { fut.await?.into_message() }),
+        );
+        op.timeout = None;
+        op
+    }
+
+    /// Tell the peer about one of our regions: sends its [`RemoteRegion`] as
+    /// one tagged message, which the peer takes with
+    /// [`Connection::recv_region`]. Borrowing the region is the point: it must
+    /// outlive the peer's use of the descriptor.
+    pub fn send_region(&self, mr: &MemoryRegion) -> Op<()> {
+        self.send(mr.remote().to_message())
+    }
+
+    /// Receive a region descriptor the peer sent with
+    /// [`Connection::send_region`]. Any other message is a
+    /// [`Error::Protocol`] error that says what arrived instead. No deadline
+    /// by default, like [`Connection::recv`].
+    pub fn recv_region(&self) -> Op<RemoteRegion> {
+        let fut = self.raw.recv();
+        let mut op = self.op(
+            OpKind::Recv,
+            0,
+            Box::pin(async move { RemoteRegion::from_message(&fut.await?.into_message()?) }),
         );
         op.timeout = None;
         op

@@ -11,7 +11,7 @@ use thiserror::Error;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error, serde::Serialize, serde::Deserialize)]
 pub enum AccessError {
     /// The remote key names no region registered in the peer's domain.
-    #[error("unknown remote key")]
+    #[error("unknown remote key (no region with it in the domain the peer serves: was it registered in the Domain of the Options the peer listens or connects with?)")]
     UnknownKey,
     /// The access reaches outside the registered region.
     #[error("access out of bounds")]
@@ -20,7 +20,7 @@ pub enum AccessError {
     #[error("permission denied by region access flags")]
     Permission,
     /// The region was deregistered; its key no longer grants access.
-    #[error("region was deregistered (key revoked)")]
+    #[error("region was deregistered (key revoked: its MemoryRegion was dropped or deregistered)")]
     Revoked,
     /// Atomics need an 8-byte, 8-byte-aligned remote word.
     #[error("atomic target is not an aligned 8-byte word")]

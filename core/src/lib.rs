@@ -54,6 +54,7 @@ pub mod caps;
 pub mod conn;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod pool;
 pub mod stats;
 pub mod transport;

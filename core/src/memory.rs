@@ -20,11 +20,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::ops::BitOr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use bytes::Bytes;
 use parking_lot::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 use serde::{Deserialize, Serialize};
 
@@ -88,6 +88,9 @@ impl fmt::Debug for Access {
     }
 }
 
+/// First bytes of [`RemoteRegion::to_message`].
+const REGION_TAG: &[u8; 4] = b"RGN1";
+
 /// A descriptor of a peer's registered region, sent between processes so the
 /// receiver can read, write or run atomics on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -134,6 +137,29 @@ impl RemoteRegion {
         out[8..16].copy_from_slice(&self.len.to_le_bytes());
         out[16..20].copy_from_slice(&self.rkey.to_le_bytes());
         out
+    }
+
+    /// The descriptor as one tagged message (`"RGN1"` then [`RemoteRegion::to_bytes`]),
+    /// what [`crate::Connection::send_region`] sends.
+    pub fn to_message(&self) -> Vec<u8> {
+        let mut msg = Vec::with_capacity(REGION_TAG.len() + Self::ENCODED_LEN);
+        msg.extend_from_slice(REGION_TAG);
+        msg.extend_from_slice(&self.to_bytes());
+        msg
+    }
+
+    /// Decode [`RemoteRegion::to_message`]; any other message is an
+    /// [`Error::Protocol`] that says what arrived instead.
+    pub fn from_message(m: &[u8]) -> Result<RemoteRegion> {
+        m.strip_prefix(REGION_TAG)
+            .and_then(RemoteRegion::from_bytes)
+            .ok_or_else(|| {
+                Error::Protocol(format!(
+                    "expected a region descriptor ({} bytes starting \"RGN1\"), got a {}-byte message",
+                    REGION_TAG.len() + Self::ENCODED_LEN,
+                    m.len()
+                ))
+            })
     }
 
     /// Decode [`RemoteRegion::to_bytes`]; `None` if `b` is not exactly 20 bytes.
@@ -224,6 +250,13 @@ struct KeyTable {
     revoked_order: VecDeque<u32>,
 }
 
+/// Every domain of the process (weakly), so a refused key can be traced to
+/// the domain that does hold it.
+fn all_domains() -> &'static Mutex<Vec<Weak<DomainInner>>> {
+    static ALL: OnceLock<Mutex<Vec<Weak<DomainInner>>>> = OnceLock::new();
+    ALL.get_or_init(|| Mutex::new(Vec::new()))
+}
+
 struct DomainInner {
     id: u64,
     table: RwLock<KeyTable>,
@@ -289,10 +322,12 @@ impl Default for Domain {
 }
 
 impl Domain {
-    /// A new, empty protection domain.
+    /// A new, empty protection domain, separate from every other one: its
+    /// keys mean nothing to connections serving another domain. Most programs
+    /// want [`Domain::global`] (what [`crate::Options::default`] uses).
     pub fn new() -> Domain {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        Domain {
+        let d = Domain {
             inner: Arc::new(DomainInner {
                 id: NEXT.fetch_add(1, Ordering::Relaxed),
                 table: RwLock::new(KeyTable {
@@ -303,7 +338,28 @@ impl Domain {
                 registered_bytes: AtomicU64::new(0),
                 device: RwLock::new(None),
             }),
-        }
+        };
+        let mut all = all_domains().lock();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&d.inner));
+        d
+    }
+
+    /// The process-wide domain: what [`crate::Options::default`] serves, so a
+    /// region registered through one default `Options` is reachable through
+    /// connections made with any other (as one ibverbs protection domain per
+    /// process usually is). Use [`Domain::new`] to keep regions apart.
+    pub fn global() -> Domain {
+        static GLOBAL: OnceLock<Domain> = OnceLock::new();
+        GLOBAL.get_or_init(Domain::new).clone()
+    }
+
+    /// The live domain of this process, other than `self`, that holds `rkey`.
+    fn other_holder_of(&self, rkey: u32) -> Option<u64> {
+        let all = all_domains().lock();
+        all.iter().filter_map(Weak::upgrade).find_map(|d| {
+            (d.id != self.inner.id && d.table.read().live.contains_key(&rkey)).then_some(d.id)
+        })
     }
 
     /// Bind this domain to an RDMA device: every region, present and future,
@@ -498,8 +554,34 @@ impl Domain {
         let table = self.inner.table.read();
         match table.live.get(&rkey) {
             Some(r) => Ok(r.clone()),
-            None if table.revoked.contains(&rkey) => Err(AccessError::Revoked),
-            None => Err(AccessError::UnknownKey),
+            None if table.revoked.contains(&rkey) => {
+                tracing::debug!(
+                    rkey = format_args!("{rkey:#010x}"),
+                    domain = self.inner.id,
+                    "refused an access under a revoked key (its MemoryRegion was dropped or deregistered)"
+                );
+                Err(AccessError::Revoked)
+            }
+            None => {
+                drop(table);
+                match self.other_holder_of(rkey) {
+                    Some(other) => tracing::warn!(
+                        rkey = format_args!("{rkey:#010x}"),
+                        serving_domain = self.inner.id,
+                        key_domain = other,
+                        "refused an access: the key belongs to domain #{other}, but this \
+                         connection serves domain #{}; register the region in the Domain \
+                         of the Options you listen or connect with",
+                        self.inner.id
+                    ),
+                    None => tracing::debug!(
+                        rkey = format_args!("{rkey:#010x}"),
+                        domain = self.inner.id,
+                        "refused an access under an unknown key"
+                    ),
+                }
+                Err(AccessError::UnknownKey)
+            }
         }
     }
 
@@ -713,7 +795,11 @@ impl Domain {
 
 /// A registered region: the local owner handle.
 ///
-/// Dropping it deregisters the region (see [`MemoryRegion::deregister`]).
+/// Dropping it deregisters the region (see [`MemoryRegion::deregister`]): peers
+/// holding its [`RemoteRegion`] get [`AccessError::Revoked`] from then on. Keep
+/// it alive for as long as peers use its key; in particular
+/// `domain.register(..).remote()` drops the region at the end of the statement.
+#[must_use = "dropping a MemoryRegion deregisters it at once; keep it while peers use its key"]
 pub struct MemoryRegion {
     inner: Arc<RegionInner>,
     domain: Weak<DomainInner>,
@@ -736,7 +822,9 @@ pub type RegionReadGuard<'a> = MappedRwLockReadGuard<'a, [u8]>;
 pub type RegionWriteGuard<'a> = MappedRwLockWriteGuard<'a, [u8]>;
 
 impl MemoryRegion {
-    /// The descriptor a peer needs to access the whole region.
+    /// The descriptor a peer needs to access the whole region. It is valid
+    /// only while this `MemoryRegion` lives: keep the region, hand out the
+    /// descriptor (for example with [`crate::Connection::send_region`]).
     pub fn remote(&self) -> RemoteRegion {
         RemoteRegion {
             addr: self.inner.addr,

@@ -6,23 +6,30 @@ use std::sync::{Arc, OnceLock};
 use serde::{Deserialize, Serialize};
 
 macro_rules! counters {
-    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+    ($(#[doc = $doc:literal] $name:ident),* $(,)?) => {
         /// Live counters, updated with relaxed atomics.
         #[derive(Debug, Default)]
         pub struct Stats {
-            $($(#[$doc])* pub $name: AtomicU64,)*
+            $(#[doc = $doc] pub $name: AtomicU64,)*
         }
 
         /// A point-in-time copy of [`Stats`].
         #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
         pub struct StatsSnapshot {
-            $($(#[$doc])* pub $name: u64,)*
+            $(#[doc = $doc] pub $name: u64,)*
         }
 
         impl Stats {
             /// Copy all counters.
             pub fn snapshot(&self) -> StatsSnapshot {
                 StatsSnapshot { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+
+        impl StatsSnapshot {
+            /// Every counter as (name, help text, value), in declaration order.
+            pub fn fields(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![$((stringify!($name), $doc.trim(), self.$name),)*]
             }
         }
     };
@@ -65,6 +72,8 @@ counters! {
     fallbacks,
     /// Handshakes that failed (version, auth, malformed).
     handshake_failures,
+    /// Incoming connections a server refused or failed to set up (it kept accepting).
+    accept_errors,
     /// Connections opened.
     connections,
 }

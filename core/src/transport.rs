@@ -43,6 +43,8 @@ impl FromStr for Policy {
 #[derive(Clone)]
 pub struct Options {
     /// Regions served to the peer (one-sided operations address this domain).
+    /// [`Domain::global`] by default; set a [`Domain::new`] to keep a
+    /// connection's regions apart from the rest of the process.
     pub domain: Domain,
     /// Default deadline of each operation.
     pub op_timeout: Duration,
@@ -65,10 +67,13 @@ pub struct Options {
     pub policy: Policy,
 }
 
+/// The default options serve the process-wide [`Domain::global`], so regions
+/// registered through any default `Options` are reachable over every
+/// connection made with default options.
 impl Default for Options {
     fn default() -> Self {
         Options {
-            domain: Domain::new(),
+            domain: Domain::global(),
             op_timeout: DEFAULT_OP_TIMEOUT,
             connect_timeout: Duration::from_secs(10),
             secret: None,
@@ -127,12 +132,16 @@ pub trait RawListener: Send + 'static {
 /// A listening endpoint.
 pub struct Listener {
     raw: Box<dyn RawListener>,
+    transport: &'static str,
+    fallback_reason: Option<String>,
 }
 
 impl fmt::Debug for Listener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Listener")
             .field("local_addr", &self.raw.local_addr())
+            .field("transport", &self.transport)
+            .field("fallback_reason", &self.fallback_reason)
             .finish()
     }
 }
@@ -140,7 +149,58 @@ impl fmt::Debug for Listener {
 impl Listener {
     /// Wrap a transport's listener.
     pub fn new(raw: Box<dyn RawListener>) -> Listener {
-        Listener { raw }
+        Listener {
+            raw,
+            transport: "",
+            fallback_reason: None,
+        }
+    }
+
+    /// The transport serving this listener (`"tcp"`, `"rdma"`...; empty for
+    /// a listener made with [`Listener::new`] outside [`Transports`]).
+    pub fn transport(&self) -> &str {
+        self.transport
+    }
+
+    /// Why this listener is not serving the transport its URL asked for (an
+    /// `rdma://` URL served over TCP under the `prefer` policy), if it is not.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback_reason.as_deref()
+    }
+
+    /// Accept connections until the listener stops, running `handler` for
+    /// each in its own task. A failed handshake (a port scanner, a client of
+    /// another transport, a wrong secret) is logged and counted
+    /// ([`crate::stats::global`]`().accept_errors`) and the loop keeps
+    /// accepting; so is a handler's error other than a disconnect. This is
+    /// the loop every rdmx server should run.
+    pub async fn serve<F, Fut>(mut self, name: &'static str, handler: F)
+    where
+        F: Fn(Connection) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<()>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        loop {
+            match self.accept().await {
+                Ok(conn) => {
+                    let handler = handler.clone();
+                    let peer = conn.info().peer_addr;
+                    tokio::spawn(async move {
+                        match handler(conn).await {
+                            Ok(()) | Err(Error::Disconnected(_)) => {}
+                            Err(e) => {
+                                tracing::warn!(server = name, ?peer, error = %e, "connection ended with an error")
+                            }
+                        }
+                    });
+                }
+                Err(Error::Disconnected(why)) if why == LISTENER_STOPPED => return,
+                Err(e) => {
+                    stats::global().add(|s| &s.accept_errors, 1);
+                    tracing::warn!(server = name, error = %e, "refused a connection; still accepting");
+                }
+            }
+        }
     }
 
     /// Wait for the next connection. Errors are per connection attempt (for
@@ -204,6 +264,9 @@ where
     Ok(Listener::new(Box::new(TcpAccepts { rx, local, task })))
 }
 
+/// What [`Listener::accept`] reports once a listener has stopped for good.
+const LISTENER_STOPPED: &str = "listener stopped";
+
 struct TcpAccepts {
     rx: tokio::sync::mpsc::Receiver<Result<Connection>>,
     local: SocketAddr,
@@ -222,7 +285,7 @@ impl RawListener for TcpAccepts {
             self.rx
                 .recv()
                 .await
-                .unwrap_or_else(|| Err(Error::Disconnected("listener stopped".into())))
+                .unwrap_or_else(|| Err(Error::Disconnected(LISTENER_STOPPED.into())))
         })
     }
 
@@ -346,7 +409,9 @@ impl Transports {
             match t.connect(&ep.addr, opts).await {
                 Ok(c) => return Ok(c),
                 Err(e) => {
-                    tracing::warn!(transport = t.name(), error = %e, "RDMA connect failed");
+                    // The reason travels on: into the fallback reason, or
+                    // into the error under `require`; logged once there.
+                    tracing::debug!(transport = t.name(), error = %e, "RDMA connect failed");
                     reasons.push(format!("{}: {e}", t.name()));
                 }
             }
@@ -363,28 +428,54 @@ impl Transports {
     }
 
     /// Listen on `url` under `opts.policy`, with the same fallback rules as
-    /// [`Transports::connect`]. Returns the listener and the fallback reason, if any.
-    pub async fn listen(&self, url: &str, opts: &Options) -> Result<(Listener, Option<String>)> {
+    /// [`Transports::connect`]; a fallback's reason is
+    /// [`Listener::fallback_reason`]. An error names the address and says
+    /// that listening failed.
+    pub async fn listen(&self, url: &str, opts: &Options) -> Result<Listener> {
         let ep: Endpoint = url.parse()?;
+        let named = |t: &Arc<dyn Transport>, mut l: Listener, reason: Option<String>| {
+            l.transport = t.name();
+            l.fallback_reason = reason;
+            l
+        };
         if ep.scheme == "tcp" {
             require_allows_tcp(opts.policy)?;
-            return Ok((self.tcp()?.listen(&ep.addr, opts).await?, None));
+            let tcp = self.tcp()?;
+            let l = tcp
+                .listen(&ep.addr, opts)
+                .await
+                .map_err(|e| listen_error(url, e))?;
+            return Ok(named(tcp, l, None));
         }
         let (plan, mut reasons) = self.rdma_plan(&ep, opts.policy)?;
         for t in plan {
             match t.listen(&ep.addr, opts).await {
-                Ok(l) => return Ok((l, None)),
+                Ok(l) => return Ok(named(&t, l, None)),
                 Err(e) => reasons.push(format!("{}: {e}", t.name())),
             }
         }
         let reason = reasons.join("; ");
         if opts.policy == Policy::RequireRdma {
-            return Err(Error::RdmaUnavailable(reason));
+            return Err(Error::RdmaUnavailable(format!("listen on {url}: {reason}")));
         }
-        let l = self.tcp()?.listen(&ep.addr, opts).await?;
+        let tcp = self.tcp()?;
+        let l = tcp
+            .listen(&ep.addr, opts)
+            .await
+            .map_err(|e| listen_error(url, e))?;
         tracing::warn!(url, %reason, "listening on TCP instead of RDMA");
         stats::global().add(|s| &s.fallbacks, 1);
-        Ok((l, Some(reason)))
+        Ok(named(tcp, l, Some(reason)))
+    }
+}
+
+/// A listen failure that names what could not be listened on.
+fn listen_error(url: &str, e: Error) -> Error {
+    match e {
+        Error::Connect(m) if !m.contains("listen") => {
+            Error::Connect(format!("listen on {url}: {m}"))
+        }
+        other => other,
     }
 }
 

@@ -5,8 +5,11 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use pcap_file::pcap::{PcapHeader, PcapPacket, PcapReader, PcapWriter};
-use pcap_file::pcapng::{Block, PcapNgReader};
+use pcap_file::pcap::PcapParser;
+use pcap_file::pcapng::blocks::enhanced_packet::EnhancedPacketBlock;
+use pcap_file::pcapng::blocks::interface_description::InterfaceDescriptionBlock;
+use pcap_file::pcapng::blocks::section_header::{SectionHeaderBlock, SectionHeaderOption};
+use pcap_file::pcapng::{Block, PcapNgParser, PcapNgWriter};
 use pcap_file::DataLink;
 
 use crate::opcode::Opcode;
@@ -23,27 +26,74 @@ pub struct Captured {
     pub data: Vec<u8>,
 }
 
+/// A capture's frames, and the RoCEv2 UDP port rdmx recorded in it (when rdmx
+/// wrote the file: its engine may run on another port than 4791).
+#[derive(Clone, Debug, Default)]
+pub struct CaptureFile {
+    /// Every frame, in order.
+    pub frames: Vec<Captured>,
+    /// The port from rdmx's section comment (`rdmx-roce-port=N`), if present.
+    pub roce_port: Option<u16>,
+}
+
+/// The section comment rdmx writes: `rdmx-roce-port=<port>`.
+const PORT_COMMENT: &str = "rdmx-roce-port=";
+
 /// Read every frame of a pcap or pcapng capture.
-pub fn read_capture(mut r: impl Read) -> Result<Vec<Captured>, String> {
+pub fn read_capture(r: impl Read) -> Result<Vec<Captured>, String> {
+    read_capture_file(r).map(|c| c.frames)
+}
+
+/// Read a pcap or pcapng capture with rdmx's port note. A damaged file is an
+/// error that names the frame (from 1) and the byte offset where reading stopped.
+pub fn read_capture_file(mut r: impl Read) -> Result<CaptureFile, String> {
     let mut all = Vec::new();
     r.read_to_end(&mut all).map_err(|e| e.to_string())?;
     let magic = all.get(..4).ok_or("file too short for a capture")?;
-    let mut out = Vec::new();
+    let at = |rest: &[u8]| all.len() - rest.len();
+    let mut out = CaptureFile::default();
     if magic == [0x0A, 0x0D, 0x0D, 0x0A] {
-        let mut rd = PcapNgReader::new(&all[..]).map_err(|e| format!("pcapng: {e}"))?;
+        let (mut rest, mut parser) =
+            PcapNgParser::new(&all[..]).map_err(|e| format!("pcapng section header: {e}"))?;
         let mut links = Vec::new();
-        while let Some(block) = rd.next_block() {
-            match block.map_err(|e| format!("pcapng: {e}"))? {
+        let note = |opts: &[SectionHeaderOption<'_>]| {
+            opts.iter().find_map(|o| match o {
+                SectionHeaderOption::Comment(c) => {
+                    c.strip_prefix(PORT_COMMENT)?.trim().parse().ok()
+                }
+                _ => None,
+            })
+        };
+        out.roce_port = note(&parser.section().options);
+        while !rest.is_empty() {
+            let offset = at(rest);
+            let (next, block) = parser.next_block(rest).map_err(|e| {
+                format!(
+                    "pcapng: block after frame {} is damaged or truncated at byte offset {offset}: {e}",
+                    out.frames.len()
+                )
+            })?;
+            rest = next;
+            let frame = out.frames.len() + 1;
+            match block {
+                Block::SectionHeader(h) => {
+                    links.clear();
+                    out.roce_port = note(&h.options).or(out.roce_port);
+                }
                 Block::InterfaceDescription(i) => links.push(i.linktype),
-                Block::EnhancedPacket(p) => out.push(Captured {
-                    link: *links
-                        .get(p.interface_id as usize)
-                        .ok_or("packet on an undeclared interface")?,
+                Block::EnhancedPacket(p) => out.frames.push(Captured {
+                    link: *links.get(p.interface_id as usize).ok_or_else(|| {
+                        format!(
+                            "frame {frame} (byte offset {offset}) is on an undeclared interface"
+                        )
+                    })?,
                     timestamp: p.timestamp,
                     data: p.data.into_owned(),
                 }),
-                Block::SimplePacket(p) => out.push(Captured {
-                    link: *links.first().ok_or("packet before any interface")?,
+                Block::SimplePacket(p) => out.frames.push(Captured {
+                    link: *links.first().ok_or_else(|| {
+                        format!("frame {frame} (byte offset {offset}) comes before any interface")
+                    })?,
                     timestamp: Duration::ZERO,
                     data: p.data.into_owned(),
                 }),
@@ -51,11 +101,20 @@ pub fn read_capture(mut r: impl Read) -> Result<Vec<Captured>, String> {
             }
         }
     } else {
-        let mut rd = PcapReader::new(&all[..]).map_err(|e| format!("pcap: {e}"))?;
-        let link = rd.header().datalink;
-        while let Some(p) = rd.next_packet() {
-            let p = p.map_err(|e| format!("pcap: {e}"))?;
-            out.push(Captured {
+        let (mut rest, parser) =
+            PcapParser::new(&all[..]).map_err(|e| format!("pcap file header: {e}"))?;
+        let link = parser.header().datalink;
+        while !rest.is_empty() {
+            let offset = at(rest);
+            let (next, p) = parser.next_packet(rest).map_err(|e| {
+                format!(
+                    "pcap: frame {} is truncated or damaged at byte offset {offset} ({} bytes left in the file): {e}",
+                    out.frames.len() + 1,
+                    rest.len()
+                )
+            })?;
+            rest = next;
+            out.frames.push(Captured {
                 link,
                 timestamp: p.timestamp,
                 data: p.data.into_owned(),
@@ -65,28 +124,44 @@ pub fn read_capture(mut r: impl Read) -> Result<Vec<Captured>, String> {
     Ok(out)
 }
 
-/// Writes Ethernet frames as a pcap file (what `--capture` produces).
+/// Writes Ethernet frames as a pcapng file (what `--capture` produces), with
+/// the engine's RoCEv2 UDP port in the section comment so `rdmx pcap check`
+/// knows which port to decode.
 pub struct CaptureWriter<W: Write> {
-    inner: PcapWriter<W>,
+    inner: PcapNgWriter<W>,
 }
 
 impl<W: Write> CaptureWriter<W> {
-    /// Start a pcap file with Ethernet link type.
-    pub fn new(w: W) -> Result<CaptureWriter<W>, String> {
-        let header = PcapHeader {
-            datalink: DataLink::ETHERNET,
-            ..PcapHeader::default()
+    /// Start a pcapng file: one Ethernet interface, `port` noted.
+    pub fn new(w: W, port: u16) -> Result<CaptureWriter<W>, String> {
+        let section = SectionHeaderBlock {
+            options: vec![
+                SectionHeaderOption::Comment(format!("{PORT_COMMENT}{port}").into()),
+                SectionHeaderOption::UserApplication("rdmx".into()),
+            ],
+            ..SectionHeaderBlock::default()
         };
-        Ok(CaptureWriter {
-            inner: PcapWriter::with_header(w, header).map_err(|e| e.to_string())?,
-        })
+        let mut inner = PcapNgWriter::with_section_header(w, section).map_err(|e| e.to_string())?;
+        inner
+            .write_pcapng_block(InterfaceDescriptionBlock {
+                linktype: DataLink::ETHERNET,
+                snaplen: 0,
+                options: Vec::new(),
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(CaptureWriter { inner })
     }
 
     /// Append one frame.
     pub fn write(&mut self, timestamp: Duration, frame: &[u8]) -> Result<(), String> {
-        let p = PcapPacket::new(timestamp, frame.len() as u32, frame);
         self.inner
-            .write_packet(&p)
+            .write_pcapng_block(EnhancedPacketBlock {
+                interface_id: 0,
+                timestamp,
+                original_len: frame.len() as u32,
+                data: frame.into(),
+                options: Vec::new(),
+            })
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
@@ -103,12 +178,17 @@ pub enum Verdict {
     Bad(String),
 }
 
-/// Check one captured frame.
+/// Check one captured frame (RoCEv2 on UDP port 4791).
 pub fn check_frame(c: &Captured) -> Verdict {
+    check_frame_on(c, crate::wire::ROCEV2_PORT)
+}
+
+/// Check one captured frame, taking UDP datagrams to `port` as RoCEv2.
+pub fn check_frame_on(c: &Captured, port: u16) -> Verdict {
     if c.link != DataLink::ETHERNET {
         return Verdict::NotRoce;
     }
-    match RoceFrame::parse(&c.data) {
+    match RoceFrame::parse_on(&c.data, port) {
         Ok(None) => Verdict::NotRoce,
         Err(e) => Verdict::Bad(format!("malformed: {e}")),
         Ok(Some(f)) => {
@@ -136,14 +216,19 @@ pub struct Summary {
     pub bad: Vec<(usize, String)>,
 }
 
-/// Check every frame of a capture.
+/// Check every frame of a capture (RoCEv2 on UDP port 4791).
 pub fn check(frames: &[Captured]) -> Summary {
+    check_on(frames, crate::wire::ROCEV2_PORT)
+}
+
+/// Check every frame of a capture, taking UDP datagrams to `port` as RoCEv2.
+pub fn check_on(frames: &[Captured], port: u16) -> Summary {
     let mut s = Summary {
         frames: frames.len(),
         ..Summary::default()
     };
     for (i, c) in frames.iter().enumerate() {
-        match check_frame(c) {
+        match check_frame_on(c, port) {
             Verdict::Ok(op) => *s.ok.entry(op).or_default() += 1,
             Verdict::NotRoce => s.not_roce += 1,
             Verdict::Bad(why) => s.bad.push((i + 1, why)),

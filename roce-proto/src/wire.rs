@@ -139,6 +139,12 @@ pub struct IcrcMismatch {
 impl RoceFrame {
     /// Parse an Ethernet frame. `Ok(None)`: not IP/UDP to port 4791 (not RoCEv2).
     pub fn parse(f: &[u8]) -> Result<Option<RoceFrame>, FrameError> {
+        Self::parse_on(f, ROCEV2_PORT)
+    }
+
+    /// [`RoceFrame::parse`], taking UDP datagrams to `port` as RoCEv2 (an
+    /// engine that could not bind 4791 runs on another port).
+    pub fn parse_on(f: &[u8], port: u16) -> Result<Option<RoceFrame>, FrameError> {
         if f.len() < 14 {
             return Ok(None);
         }
@@ -196,7 +202,7 @@ impl RoceFrame {
             len: u16::from_be_bytes([u[4], u[5]]),
             checksum: u16::from_be_bytes([u[6], u[7]]),
         };
-        if udp.dport != ROCEV2_PORT {
+        if udp.dport != port {
             return Ok(None);
         }
         if datagram_end > f.len() {

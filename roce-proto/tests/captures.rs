@@ -1,4 +1,4 @@
-//! Every RoCEv2 packet in the shared real-NIC captures parses, verifies its
+//! Every RoCEv2 packet in the real-NIC captures (`testdata/rocev2-captures`) parses, verifies its
 //! ICRC, and re-serialises byte for byte; a corrupted one is caught.
 
 use std::path::PathBuf;
@@ -10,7 +10,7 @@ fn captures_dir() -> PathBuf {
     std::env::var_os("RDMX_CAPTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/rocev2-captures")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/rocev2-captures")
         })
 }
 
@@ -18,7 +18,7 @@ fn load(name: &str) -> Vec<rdmx_roce_proto::pcap::Captured> {
     let path = captures_dir().join(name);
     let f = std::fs::File::open(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (the captures live in ../shared; set RDMX_CAPTURES to move them)",
+            "{}: {e} (the captures live in testdata/rocev2-captures; RDMX_CAPTURES overrides)",
             path.display()
         )
     });

@@ -75,7 +75,7 @@ fn sample_frames() -> Vec<RoceFrame> {
 
 fn write_pcap(name: &str, frames: &[RoceFrame]) -> PathBuf {
     let path = std::env::temp_dir().join(format!("rdmx-{name}-{}.pcap", std::process::id()));
-    let mut w = CaptureWriter::new(std::fs::File::create(&path).unwrap()).unwrap();
+    let mut w = CaptureWriter::new(std::fs::File::create(&path).unwrap(), 4791).unwrap();
     for (i, f) in frames.iter().enumerate() {
         w.write(std::time::Duration::from_micros(i as u64), &f.to_bytes())
             .unwrap();
@@ -87,7 +87,12 @@ fn tool_missing(what: &str) -> bool {
     if std::env::var_os("CI").is_some() {
         panic!("{what} is required in CI (.ci/run installs it)");
     }
-    eprintln!("SKIPPED: {what} is not installed here; .ci/run installs it and runs this test");
+    // Straight to stderr: libtest does not capture it, so the skip shows.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("SKIPPED: {what} is not installed here; .ci/run installs it and runs this test\n")
+            .as_bytes(),
+    );
     true
 }
 
@@ -153,6 +158,10 @@ print("checked", len(pkts), "bad", bad)
 "#;
 
 #[test]
+#[cfg_attr(
+    rdmx_missing_scapy,
+    ignore = "needs python3 with scapy (pip install scapy); CI runs it"
+)]
 fn scapy_computes_the_same_icrc() {
     let ok = Command::new("python3")
         .args(["-c", "import scapy.contrib.roce"])
@@ -182,6 +191,10 @@ fn scapy_computes_the_same_icrc() {
 }
 
 #[test]
+#[cfg_attr(
+    rdmx_missing_tshark,
+    ignore = "needs tshark (apt-get install tshark); CI runs it"
+)]
 fn tshark_decodes_what_we_encode() {
     if Command::new("tshark").arg("-v").output().is_err() && tool_missing("tshark") {
         return;
@@ -254,6 +267,10 @@ fn tshark_decodes_what_we_encode() {
 /// What the engine sends, captured as a pcap and decoded by tshark: opcodes,
 /// QPNs, PSNs and UDP lengths agree packet by packet (retransmissions included).
 #[test]
+#[cfg_attr(
+    rdmx_missing_tshark,
+    ignore = "needs tshark (apt-get install tshark); CI runs it"
+)]
 fn tshark_decodes_engine_traffic() {
     use rdmx_roce_proto::sim::{Link, Sim};
     use rdmx_roce_proto::{QpConfig, WorkRequest};

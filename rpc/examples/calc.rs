@@ -28,7 +28,7 @@ async fn main() -> Result<(), RpcError> {
             Ok::<_, String>(Bytes::copy_from_slice(&sum.to_le_bytes()))
         });
     let server = Server::new(service, ServerOptions::default());
-    let (listener, _) = ts
+    let listener = ts
         .listen(&format!("{scheme}://127.0.0.1:0"), &Options::default())
         .await?;
     let url = format!("{scheme}://{}", listener.local_addr());

@@ -88,7 +88,7 @@ impl Params {
     fn check_header(b: &[u8]) -> Result<u16> {
         if &b[..4] != PARAMS_MAGIC {
             return Err(Error::Protocol(
-                "peer is not an rdmx RDMA endpoint (is it listening with tcp://?)".into(),
+                "the peer did not answer with RDMA bootstrap parameters (it is not an rdmx rdma:// endpoint)".into(),
             ));
         }
         let version = u16::from_le_bytes([b[4], b[5]]);

@@ -157,16 +157,22 @@ async fn establish(
     let secret = opts.secret.as_deref();
     let hs = async {
         if server {
-            handshake::server(&mut stream, ours, secret).await
+            handshake::server(&mut stream, ours, secret, handshake::Speaks::Rdma).await
         } else {
-            handshake::client(&mut stream, ours, secret).await
+            handshake::client(&mut stream, ours, secret, handshake::Speaks::Rdma).await
         }
     };
     let agreed = match tokio::time::timeout(opts.connect_timeout, hs).await {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => {
             rdmx_core::stats::global().add(|s| &s.handshake_failures, 1);
-            tracing::warn!(error = %e, server, "handshake failed");
+            // A client returns the error to its caller; a server logs it
+            // (its accept loop goes on).
+            if server {
+                tracing::warn!(error = %e, "refused a client: handshake failed");
+            } else {
+                tracing::debug!(error = %e, "handshake failed");
+            }
             return Err(e);
         }
         Err(_) => return Err(Error::TimedOut(opts.connect_timeout)),

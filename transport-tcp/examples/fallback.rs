@@ -10,10 +10,15 @@ use rdmx_transport_tcp::TcpTransport;
 async fn main() -> rdmx_core::Result<()> {
     // A program links in the transports it wants; this one only has TCP.
     let transports = Transports::new().with(TcpTransport::new());
-    let (mut listener, why) = transports
+    let mut listener = transports
         .listen("rdma://127.0.0.1:0", &Options::default())
         .await?;
-    println!("listening on {} (fallback: {why:?})", listener.local_addr());
+    println!(
+        "listening on {} over {} (fallback: {:?})",
+        listener.local_addr(),
+        listener.transport(),
+        listener.fallback_reason()
+    );
     let url = format!("rdma://{}", listener.local_addr());
     tokio::spawn(async move {
         // Keep accepted connections open for the life of the program.

@@ -16,6 +16,13 @@
 //!
 //! A server that refuses (version, authentication) says why in WELCOME or
 //! VERDICT and closes; both sides report a clear error.
+//!
+//! The same handshake opens the TCP transport and the RDMA transport's
+//! bootstrap, so HELLO and WELCOME say which one each end speaks (flag
+//! `RDMA`). A client that reaches an endpoint of the other kind learns it from
+//! WELCOME at once (status `TRANSPORT`) instead of waiting for a message that
+//! never comes: an `rdma://` client falls back to TCP (or fails under
+//! `require`) in one round trip.
 
 use std::time::Duration;
 
@@ -33,12 +40,65 @@ pub const VERSION: u16 = 1;
 const HELLO_LEN: usize = 44;
 const WELCOME_LEN: usize = 80;
 const FLAG_AUTH: u16 = 1;
+/// The sender speaks the RDMA bootstrap after the handshake (not TCP frames).
+const FLAG_RDMA: u16 = 2;
 
 const ST_OK: u16 = 0;
 const ST_VERSION: u16 = 1;
 const ST_AUTH: u16 = 2;
 const ST_LIMITS: u16 = 3;
+const ST_TRANSPORT: u16 = 4;
 
+/// What an endpoint speaks once the handshake is done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Speaks {
+    /// The TCP transport's frames (`tcp://`).
+    Tcp,
+    /// The RDMA transport's bootstrap, then RC queue pairs (`rdma://`).
+    Rdma,
+}
+
+impl Speaks {
+    fn flag(self) -> u16 {
+        match self {
+            Speaks::Tcp => 0,
+            Speaks::Rdma => FLAG_RDMA,
+        }
+    }
+
+    fn of(flags: u16) -> Speaks {
+        if flags & FLAG_RDMA != 0 {
+            Speaks::Rdma
+        } else {
+            Speaks::Tcp
+        }
+    }
+
+    fn scheme(self) -> &'static str {
+        match self {
+            Speaks::Tcp => "tcp://",
+            Speaks::Rdma => "rdma://",
+        }
+    }
+}
+
+/// The error both ends report when they speak different transports.
+fn wrong_transport(client: Speaks, server: Speaks, we_are_server: bool) -> Error {
+    let text = format!(
+        "transport mismatch: the client speaks {} and the server listens with {}",
+        client.scheme(),
+        server.scheme()
+    );
+    match (we_are_server, server) {
+        // The client asked for RDMA and the server has only TCP: a fallback
+        // (under the `prefer` policy) can reach it.
+        (false, Speaks::Tcp) => Error::RdmaUnavailable(format!(
+            "{text}; connect with tcp:// (the prefer policy does so by itself)"
+        )),
+        (false, Speaks::Rdma) => Error::Protocol(format!("{text}; connect with rdma://")),
+        (true, _) => Error::Protocol(text),
+    }
+}
 /// The limits each end announces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -124,12 +184,13 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     ours: Limits,
     secret: Option<&[u8]>,
+    speaks: Speaks,
 ) -> Result<Agreed> {
     let nonce_c: [u8; 16] = rand::random();
     let mut hello = Vec::with_capacity(HELLO_LEN);
     hello.put_slice(MAGIC);
     hello.put_u16_le(VERSION);
-    hello.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 });
+    hello.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag());
     hello.put_u32_le(ours.credits);
     hello.put_u64_le(ours.window);
     hello.put_u64_le(ours.max_message);
@@ -165,6 +226,7 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     let proof_s = &r[16..48];
     match status {
         ST_OK => {}
+        ST_TRANSPORT => return Err(wrong_transport(speaks, Speaks::of(flags), false)),
         ST_LIMITS => return Err(Error::Protocol("server refused our limits".into())),
         other => {
             return Err(Error::Protocol(format!(
@@ -221,6 +283,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     ours: Limits,
     secret: Option<&[u8]>,
+    speaks: Speaks,
 ) -> Result<Agreed> {
     let mut h = [0u8; HELLO_LEN];
     s.read_exact(&mut h[..6])
@@ -235,7 +298,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         welcome.put_slice(MAGIC);
         welcome.put_u16_le(VERSION);
         welcome.put_u16_le(status);
-        welcome.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 });
+        welcome.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag());
         welcome.put_u16_le(0);
         welcome.put_u32_le(ours.credits);
         welcome.put_u64_le(ours.window);
@@ -263,6 +326,12 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         max_message: r.get_u64_le(),
     };
     let nonce_c: [u8; 16] = r[..16].try_into().expect("16");
+    if Speaks::of(flags) != speaks {
+        send_welcome(ST_TRANSPORT, [0; 32], &mut welcome);
+        let _ = s.write_all(&welcome).await;
+        let _ = s.shutdown().await;
+        return Err(wrong_transport(Speaks::of(flags), speaks, true));
+    }
     if !peer.valid() {
         send_welcome(ST_LIMITS, [0; 32], &mut welcome);
         let _ = s.write_all(&welcome).await;

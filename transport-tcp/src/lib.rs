@@ -71,9 +71,9 @@ async fn establish(
     let secret = opts.secret.as_deref();
     let agreed = handshake::with_deadline(opts.connect_timeout, async {
         if server {
-            handshake::server(&mut stream, ours, secret).await
+            handshake::server(&mut stream, ours, secret, handshake::Speaks::Tcp).await
         } else {
-            handshake::client(&mut stream, ours, secret).await
+            handshake::client(&mut stream, ours, secret, handshake::Speaks::Tcp).await
         }
     })
     .await;
@@ -81,7 +81,13 @@ async fn establish(
         Ok(a) => a,
         Err(e) => {
             rdmx_core::stats::global().add(|s| &s.handshake_failures, 1);
-            tracing::warn!(error = %e, server, "handshake failed");
+            // A client returns the error to its caller; a server logs it
+            // (its accept loop goes on).
+            if server {
+                tracing::warn!(error = %e, "refused a client: handshake failed");
+            } else {
+                tracing::debug!(error = %e, "handshake failed");
+            }
             return Err(e);
         }
     };

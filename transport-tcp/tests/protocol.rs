@@ -180,7 +180,9 @@ async fn not_an_rdmx_peer() {
 /// A raw client that completed the handshake, speaking frames by hand.
 async fn raw_client(addr: &str) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    handshake::client(&mut s, limits(), None).await.unwrap();
+    handshake::client(&mut s, limits(), None, handshake::Speaks::Tcp)
+        .await
+        .unwrap();
     s
 }
 
@@ -349,12 +351,29 @@ async fn selection_policy_and_fallback() {
             .await,
         Err(Error::InvalidArgument(_))
     ));
-    let (l2, reason) = ts
+    let l2 = ts
         .listen("rdma://127.0.0.1:0", &Options::default())
         .await
         .unwrap();
-    assert!(reason.is_some());
+    assert_eq!(l2.transport(), "tcp");
+    let why = l2
+        .fallback_reason()
+        .expect("the listener says why it is TCP");
+    assert!(why.contains("no RDMA transport"), "{why}");
     assert_ne!(l2.local_addr().port(), 0);
+    let l3 = ts
+        .listen("tcp://127.0.0.1:0", &Options::default())
+        .await
+        .unwrap();
+    assert_eq!((l3.transport(), l3.fallback_reason()), ("tcp", None));
+    // A listen failure names the address and says "listen".
+    let taken = format!("tcp://{}", l3.local_addr());
+    let err = ts.listen(&taken, &Options::default()).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("listen on {}", l3.local_addr())),
+        "{err}"
+    );
 }
 
 #[tokio::test]

@@ -64,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ts = Transports::new()
         .with(rdmx_transport_tcp::TcpTransport::new())
         .with(rdmx_transport_rdma::RdmaTransport::new());
-    let (listener, _) = ts
+    let listener = ts
         .listen(&format!("{scheme}://127.0.0.1:0"), &Options::default())
         .await?;
     let url = format!("{scheme}://{}", listener.local_addr());

@@ -384,7 +384,7 @@ impl SoftRoce {
     pub fn start_capture(&self, path: &std::path::Path) -> Result<()> {
         let f = std::fs::File::create(path)
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
-        let writer = CaptureWriter::new(std::io::BufWriter::new(f))
+        let writer = CaptureWriter::new(std::io::BufWriter::new(f), self.dev.port)
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
         *self.dev.capture.lock() = Some(Capture { writer, frames: 0 });
         self.dev.capturing.store(true, Ordering::Release);

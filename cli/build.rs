@@ -1,0 +1,17 @@
+//! Marks the tests whose tools are missing (tshark; root, ip and nft for the
+//! network-namespace fault tests) as ignored, with the reason (see `rdmx-testenv`).
+use rdmx_testenv::{probe, Need};
+
+fn main() {
+    probe(&[
+        ("tshark", &[Need::Program("tshark", &["-v"])]),
+        (
+            "netns",
+            &[
+                Need::Root,
+                Need::Program("ip", &["-V"]),
+                Need::Program("nft", &["-v"]),
+            ],
+        ),
+    ]);
+}

@@ -592,6 +592,13 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
         }
     }
     let theirs = borrow_region(&conn, p.region_len).await?;
+    let busy = a.busy_poll_us.map(Duration::from_micros);
+    let secret = a.secret.as_deref().map(str::as_bytes);
+    if p.baseline {
+        // Reach the baseline before measuring anything, so a server without
+        // one fails the run at once.
+        RawClient::connect(raw_addr, busy, secret).await.map_err(err)?;
+    }
     if !a.json {
         println!(
             "# rdmx perf: {url} over {} (provider {}){}{}",
@@ -628,8 +635,6 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             "bw_x"
         );
     }
-    let busy = a.busy_poll_us.map(Duration::from_micros);
-    let secret = a.secret.as_deref().map(str::as_bytes);
     let mut results = Vec::new();
     for &op in &p.ops {
         let op_sizes: Vec<u64> = if op.atomic() {

@@ -236,3 +236,79 @@ pub fn check_on(frames: &[Captured], port: u16) -> Summary {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Bth, FramePath, Packet};
+
+    fn frame_to(port: u16) -> Vec<u8> {
+        let path = FramePath {
+            src_mac: [2, 0, 0, 0, 0, 1],
+            dst_mac: [2, 0, 0, 0, 0, 2],
+            src: "198.18.0.1".parse().unwrap(),
+            dst: "198.18.0.2".parse().unwrap(),
+            sport: 0xc001,
+            ecn: 2,
+            flow_label: 0,
+        };
+        let mut f = RoceFrame::new(&path, Packet::new(Bth::new(Opcode::SEND_ONLY, 0x11, 7)));
+        f.udp.dport = port;
+        f.finalize();
+        f.to_bytes()
+    }
+
+    /// A capture rdmx writes names its port; the check uses it, and a
+    /// check on 4791 sees no RoCEv2 at all.
+    #[test]
+    fn capture_notes_its_port() {
+        let mut file = Vec::new();
+        let mut w = CaptureWriter::new(&mut file, 5791).unwrap();
+        w.write(Duration::from_micros(1), &frame_to(5791)).unwrap();
+        drop(w);
+        let cap = read_capture_file(&file[..]).unwrap();
+        assert_eq!(cap.roce_port, Some(5791));
+        assert_eq!(cap.frames.len(), 1);
+        let s = check_on(&cap.frames, 5791);
+        assert_eq!((s.ok.get(&Opcode::SEND_ONLY), s.bad.len()), (Some(&1), 0));
+        assert_eq!(check(&cap.frames).not_roce, 1);
+    }
+
+    /// A truncated file names the frame and the byte offset where it breaks.
+    #[test]
+    fn truncation_names_frame_and_offset() {
+        let mut file = Vec::new();
+        let mut w = CaptureWriter::new(&mut file, 4791).unwrap();
+        for i in 0..3 {
+            w.write(Duration::from_micros(i), &frame_to(4791)).unwrap();
+        }
+        drop(w);
+        let whole = read_capture_file(&file[..]).unwrap();
+        assert_eq!(whole.frames.len(), 3);
+        let cut = &file[..file.len() - 10];
+        let e = read_capture_file(cut).unwrap_err();
+        assert!(
+            e.contains("after frame 2") && e.contains("byte offset"),
+            "{e}"
+        );
+        // Classic pcap: the same for a record cut short.
+        let mut classic = vec![0xd4, 0xc3, 0xb2, 0xa1, 2, 0, 4, 0];
+        classic.extend_from_slice(&[0; 8]);
+        classic.extend_from_slice(&65535u32.to_le_bytes());
+        classic.extend_from_slice(&1u32.to_le_bytes());
+        let f = frame_to(4791);
+        for _ in 0..2 {
+            classic.extend_from_slice(&[0; 8]);
+            classic.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            classic.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            classic.extend_from_slice(&f);
+        }
+        assert_eq!(read_capture(&classic[..]).unwrap().len(), 2);
+        let e = read_capture(&classic[..classic.len() - 5]).unwrap_err();
+        let second = 24 + 16 + f.len();
+        assert!(
+            e.contains("frame 2") && e.contains(&format!("byte offset {second}")),
+            "{e}"
+        );
+    }
+}

@@ -5,6 +5,9 @@
 //! `cargo run -p rdmx-transport-tcp --example one_sided`
 
 use rdmx_core::{Access, Incoming, Options, RemoteRegion, Transport};
+
+// Keep `region` alive for as long as the client uses its key: dropping the
+// MemoryRegion deregisters it (see the end of this example).
 use rdmx_transport_tcp::TcpTransport;
 
 #[tokio::main]
@@ -18,9 +21,9 @@ async fn main() -> rdmx_core::Result<()> {
     let client = tcp.connect(&addr, &Options::default()).await?;
     let server = listener.accept().await?;
     // Tell the client where the region is (any channel works; here, a message).
-    server.send(region.remote().to_bytes().to_vec()).await?;
+    server.send_region(&region).await?;
 
-    let remote = RemoteRegion::from_bytes(&client.recv_message().await?).expect("descriptor");
+    let remote = client.recv_region().await?;
     client
         .write(&b"written remotely"[..], remote.slice(0, 16)?)
         .await?;
@@ -43,8 +46,11 @@ async fn main() -> rdmx_core::Result<()> {
     }
 
     // Wrong key, out of bounds, or deregistered: a clear error, memory untouched.
-    let err = client.read(remote.slice(4090, 6)?).await.map(|_| ());
-    println!("reading past a slice of the region is fine: {err:?}");
+    let tail = client.read(remote.slice(4090, 6)?).await?;
+    println!(
+        "the region's last 6 bytes (4090..4096) are inside it: read {} bytes",
+        tail.len()
+    );
     let beyond = RemoteRegion {
         len: 4097,
         ..remote

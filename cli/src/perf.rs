@@ -597,7 +597,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
     if p.baseline {
         // Reach the baseline before measuring anything, so a server without
         // one fails the run at once.
-        RawClient::connect(raw_addr, busy, secret).await.map_err(err)?;
+        RawClient::connect(raw_addr, busy, secret)
+            .await
+            .map_err(err)?;
     }
     if !a.json {
         println!(

@@ -214,10 +214,11 @@ fn pcap_check_passes_real_captures_and_fails_corrupt_ones() {
     let hns = captures().join("hns_roce_rc_send_oferby_proxy.pcap");
     let out = rdmx().args(["pcap", "check"]).arg(&hns).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    assert!(out.status.success(), "{}", explain(&out));
     assert!(
         text.contains("123 frames, 105 RoCEv2 (105 ok, 0 bad), 18 other"),
-        "{text}"
+        "{}",
+        explain(&out)
     );
     assert!(text.contains("SEND_LAST_WITH_IMMEDIATE"));
 
@@ -244,10 +245,11 @@ fn pcap_check_passes_real_captures_and_fails_corrupt_ones() {
     std::fs::write(&bad, &bytes).unwrap();
     let out = rdmx().args(["pcap", "check"]).arg(&bad).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "{text}");
+    assert!(!out.status.success(), "{}", explain(&out));
     assert!(
         text.contains("ICRC mismatch") && text.contains("(104 ok, 1 bad)"),
-        "{text}"
+        "{}",
+        explain(&out)
     );
     std::fs::remove_file(bad).unwrap();
 }

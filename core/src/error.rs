@@ -104,6 +104,13 @@ pub enum Error {
 }
 
 impl Error {
+    /// True if [`crate::Listener::accept`] failed because the listener stopped
+    /// for good (every other accept error is about one connection attempt:
+    /// log it and keep accepting).
+    pub fn is_listener_stopped(&self) -> bool {
+        matches!(self, Error::Disconnected(why) if why == crate::transport::LISTENER_STOPPED)
+    }
+
     /// True if the error means the connection can no longer be used.
     pub fn is_fatal(&self) -> bool {
         matches!(

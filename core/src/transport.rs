@@ -194,7 +194,7 @@ impl Listener {
                         }
                     });
                 }
-                Err(Error::Disconnected(why)) if why == LISTENER_STOPPED => return,
+                Err(e) if e.is_listener_stopped() => return,
                 Err(e) => {
                     stats::global().add(|s| &s.accept_errors, 1);
                     tracing::warn!(server = name, error = %e, "refused a connection; still accepting");
@@ -265,7 +265,7 @@ where
 }
 
 /// What [`Listener::accept`] reports once a listener has stopped for good.
-const LISTENER_STOPPED: &str = "listener stopped";
+pub(crate) const LISTENER_STOPPED: &str = "listener stopped";
 
 struct TcpAccepts {
     rx: tokio::sync::mpsc::Receiver<Result<Connection>>,

@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::{AbortHandle, JoinSet};
-use tracing::{debug, info_span, Instrument};
+use tracing::{debug, info_span, warn, Instrument};
 
 use crate::error::RpcError;
 use crate::stats::RpcStats;
@@ -177,7 +177,8 @@ impl Server {
     }
 
     /// Accept connections from `listener` until [`Server::shutdown`], serving
-    /// each; returns when every connection has drained.
+    /// each; returns when every connection has drained. A connection attempt
+    /// that fails its handshake is logged and counted, and accepting goes on.
     pub async fn serve(&self, mut listener: Listener) -> Result<(), RpcError> {
         let mut conns = JoinSet::new();
         loop {
@@ -197,7 +198,14 @@ impl Server {
                             }
                         });
                     }
-                    Err(e) => return Err(e.into()),
+                    // The listener is gone: stop. Anything else is one
+                    // connection attempt that failed (a port scanner, another
+                    // transport, a wrong secret): log, count, keep accepting.
+                    Err(e) if e.is_listener_stopped() => return Err(e.into()),
+                    Err(e) => {
+                        rdmx_core::stats::global().add(|s| &s.accept_errors, 1);
+                        warn!(error = %e, "rpc server refused a connection; still accepting");
+                    }
                 },
                 _ = &mut stop => break,
             }

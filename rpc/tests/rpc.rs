@@ -243,6 +243,32 @@ async fn credits_bound_calls_in_flight(t: &dyn Transport) {
     assert_eq!(c.stats().snapshot().errors, 0);
 }
 
+/// Bad peers (an HTTP probe, bytes that are no handshake) do not stop the
+/// server: the next client is served.
+async fn bad_peers_do_not_stop_the_server(t: &dyn Transport) {
+    let server = Server::new(
+        service(Arc::new(AtomicU64::new(0))),
+        ServerOptions::default(),
+    );
+    let listener: Listener = t.listen("127.0.0.1:0", &Options::default()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let s = server.clone();
+    let task = tokio::spawn(async move { s.serve(listener).await });
+    for junk in [&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], &[0xffu8; 64][..]] {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(junk).await.unwrap();
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut sink)).await;
+    }
+    let conn: Connection = t.connect(&addr, &Options::default()).await.unwrap();
+    let c = Client::connect(conn, "kv", 2, METHODS).await.unwrap();
+    let n: u64 = c.call("len", &vec![0u8; 5]).await.unwrap();
+    assert_eq!(n, 5);
+    assert!(!task.is_finished(), "the server is still accepting");
+    server.shutdown();
+}
+
 macro_rules! cases {
     ($modname:ident, $make:expr) => {
         mod $modname {
@@ -273,6 +299,10 @@ macro_rules! cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn graceful_shutdown_drains() {
                 super::graceful_shutdown_drains(&*transport()).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_peers_do_not_stop_the_server() {
+                super::bad_peers_do_not_stop_the_server(&*transport()).await;
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn credits_bound_calls_in_flight() {

@@ -28,7 +28,9 @@ async fn main() -> rdmx_core::Result<()> {
     let mut junk = tokio::net::TcpStream::connect(&url["tcp://".len()..])
         .await
         .expect("connect");
-    junk.write_all(b"GET / HTTP/1.0\r\n\r\n").await.expect("write");
+    junk.write_all(b"GET / HTTP/1.0\r\n\r\n")
+        .await
+        .expect("write");
 
     let conn = ts.connect(&url, &Options::default()).await?;
     let counter = conn.recv_region().await?;
@@ -38,8 +40,12 @@ async fn main() -> rdmx_core::Result<()> {
     conn.send(&b"done"[..]).await?;
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 
-    let mut http = tokio::net::TcpStream::connect(metrics).await.expect("metrics");
-    http.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await.expect("write");
+    let mut http = tokio::net::TcpStream::connect(metrics)
+        .await
+        .expect("metrics");
+    http.write_all(b"GET /metrics HTTP/1.1\r\n\r\n")
+        .await
+        .expect("write");
     let mut text = String::new();
     http.read_to_string(&mut text).await.expect("read");
     for line in text.lines().filter(|l| {

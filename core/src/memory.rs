@@ -375,7 +375,10 @@ impl Domain {
                 return Ok(());
             }
             return Err(Error::InvalidArgument(format!(
-                "domain is already bound to RDMA device {}; use another domain for {}",
+                "domain #{} is already bound to RDMA device {} (its keys are that device's); \
+                 a connection through {} needs a Domain of its own: \
+                 Options::with_domain(Domain::new()) (the default Options share Domain::global())",
+                self.inner.id,
                 d.name(),
                 dev.name()
             )));

@@ -45,7 +45,7 @@ const RECV_TAG: u64 = 1 << 63;
 
 /// How the hardware provider is set up. [`HwConfig::from_env`] reads the
 /// environment; every field can be set in code too.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HwConfig {
     /// Device to open (`mlx5_0`); the first one if `None` (`RDMX_RDMA_DEVICE`).
     pub device: Option<String>,
@@ -116,9 +116,25 @@ impl std::fmt::Debug for HwProvider {
 }
 
 impl HwProvider {
-    /// Open the configured device. On a host without libibverbs or without
-    /// RDMA devices this fails with `Error::Unsupported("no RDMA devices …")`.
+    /// Open the configured device, once per configuration per process (later
+    /// calls return the same provider). On a host without libibverbs or
+    /// without RDMA devices this fails with `Error::Unsupported("no RDMA devices …")`.
     pub fn open(cfg: HwConfig) -> Result<Arc<HwProvider>> {
+        // One provider (device context) per configuration per process, as
+        // `hardware()` has: a domain binds to one protection domain per
+        // device, so a second context of the same NIC would be refused by a
+        // domain the first one bound (the process-wide default domain, say).
+        static OPEN: Mutex<Vec<(HwConfig, Arc<HwProvider>)>> = Mutex::new(Vec::new());
+        let mut open = OPEN.lock();
+        if let Some((_, p)) = open.iter().find(|(c, _)| *c == cfg) {
+            return Ok(p.clone());
+        }
+        let p = Self::open_new(cfg.clone())?;
+        open.push((cfg, p.clone()));
+        Ok(p)
+    }
+
+    fn open_new(cfg: HwConfig) -> Result<Arc<HwProvider>> {
         let list = DeviceList::new().map_err(|e| e.to_string());
         let names = list
             .as_ref()

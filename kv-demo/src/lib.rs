@@ -10,5 +10,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+pub mod client;
 pub mod layout;
+pub mod node;
 pub mod store;
+
+pub use client::{Client, ClientConfig, GetPath, KvError};
+pub use node::{Node, NodeInfo, Ttl};
+pub use store::{Cond, Store};

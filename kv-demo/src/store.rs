@@ -3,8 +3,8 @@
 //! one-sided reads while every write goes through this module (by RPC).
 //!
 //! Nothing grows past `memory`: the index takes about 1/16 of it, the arena
-//! the rest, cut into 1 MiB pages that slab classes (sizes 64 B × 1.25^k up to
-//! a page) take as they need them. When a class has no free slot and no free
+//! the rest, cut into pages (memory / 64, from 64 KiB to 1 MiB) that slab
+//! classes (sizes 64 B × 1.25^k up to a page) take as they need them. When a class has no free slot and no free
 //! page is left, it evicts by CLOCK over its own slots (an item set or read by
 //! RPC since the hand last passed keeps its place once); a class with no page
 //! at all takes one from the class with the most pages, evicting that page's
@@ -25,10 +25,12 @@ use crate::layout::{
     WAYS,
 };
 
-/// Arena page: the unit slab classes take.
-pub const PAGE: u64 = 1 << 20;
-/// Largest item (header, key and value): one page.
-pub const MAX_ITEM: usize = PAGE as usize;
+/// Largest arena page: the unit slab classes take (memory / 64, a power of
+/// two from 64 KiB to 1 MiB, so every class can have pages even when
+/// `memory` is small). The largest item is one page.
+pub const MAX_PAGE: u64 = 1 << 20;
+/// Smallest arena page.
+pub const MIN_PAGE: u64 = 64 << 10;
 /// Smallest `memory` a node accepts.
 pub const MIN_MEMORY: u64 = 4 << 20;
 
@@ -56,7 +58,9 @@ pub struct KvCounters {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     /// The item does not fit the largest slab class.
-    #[error("value is too large for this cache (an item holds at most {max} bytes of key and value)")]
+    #[error(
+        "value is too large for this cache (an item holds at most {max} bytes of key and value)"
+    )]
     TooLarge {
         /// Bytes of key and value an item can hold.
         max: usize,
@@ -127,6 +131,7 @@ struct Found {
 /// A node's items.
 pub struct Store {
     seed: u64,
+    page: u64,
     arena: MemoryRegion,
     index: MemoryRegion,
     buckets: u64,
@@ -152,30 +157,43 @@ impl std::fmt::Debug for Store {
 }
 
 /// Slab class sizes: 64 B growing by 1.25 (8-byte aligned) up to a page.
-fn class_sizes() -> Vec<u64> {
+fn class_sizes(page: u64) -> Vec<u64> {
     let mut v = vec![64u64];
-    while *v.last().expect("one") < PAGE {
+    while *v.last().expect("one") < page {
         let next = (v.last().expect("one") * 5 / 4).div_ceil(8) * 8;
-        v.push(next.min(PAGE));
+        v.push(next.min(page));
     }
     v
+}
+
+/// The page size for `memory`: memory / 64 as a power of two, 64 KiB to 1 MiB.
+pub fn page_for(memory: u64) -> u64 {
+    let p = (memory / 64).clamp(MIN_PAGE, MAX_PAGE);
+    1 << (63 - p.leading_zeros())
 }
 
 impl Store {
     /// A store of `memory` bytes in all (index and arena), registered in `domain`.
     pub fn new(domain: &Domain, memory: u64) -> Result<Store, String> {
         if memory < MIN_MEMORY {
-            return Err(format!("--memory must be at least {MIN_MEMORY} bytes (4 MiB)"));
+            return Err(format!(
+                "--memory must be at least {MIN_MEMORY} bytes (4 MiB)"
+            ));
         }
         // About 1/16 for the index, as a power of two of buckets.
         let want = (memory / 16 / BUCKET_BYTES).max(64);
-        let buckets = if want.is_power_of_two() { want } else { want.next_power_of_two() / 2 };
+        let buckets = if want.is_power_of_two() {
+            want
+        } else {
+            want.next_power_of_two() / 2
+        };
         let index_len = buckets * BUCKET_BYTES;
-        let pages = (memory - index_len) / PAGE;
-        let arena_len = pages * PAGE;
+        let page = page_for(memory);
+        let pages = (memory - index_len) / page;
+        let arena_len = pages * page;
         let index = domain.register(index_len as usize, Access::REMOTE_READ);
         let arena = domain.register(arena_len as usize, Access::REMOTE_READ);
-        let classes = class_sizes()
+        let classes = class_sizes(page)
             .into_iter()
             .map(|size| Class {
                 size,
@@ -186,6 +204,7 @@ impl Store {
             .collect();
         Ok(Store {
             seed: rand::random(),
+            page,
             arena,
             index,
             buckets,
@@ -232,7 +251,7 @@ impl Store {
 
     /// Bytes of key and value one item can hold.
     pub fn max_payload(&self) -> usize {
-        MAX_ITEM - HEADER
+        self.page as usize - HEADER
     }
 
     fn entry_at(&self, bucket: u64, way: usize) -> Option<Entry> {
@@ -282,9 +301,9 @@ impl Store {
     }
 
     fn slot_flags(&mut self, offset: u64) -> &mut u8 {
-        let page = (offset / PAGE) as usize;
+        let page = (offset / self.page) as usize;
         let class = self.page_class[page].expect("slot in a class page") as usize;
-        let slot = ((offset % PAGE) / self.classes[class].size) as usize;
+        let slot = ((offset % self.page) / self.classes[class].size) as usize;
         &mut self.flags[page][slot]
     }
 
@@ -297,7 +316,7 @@ impl Store {
 
     fn release(&mut self, offset: u64, len: u64) {
         *self.slot_flags(offset) = 0;
-        let page = (offset / PAGE) as usize;
+        let page = (offset / self.page) as usize;
         let class = self.page_class[page].expect("class page") as usize;
         self.classes[class].free.push(offset);
         self.items -= 1;
@@ -319,7 +338,7 @@ impl Store {
         self.classes
             .iter()
             .position(|c| c.size >= len as u64)
-            .expect("len <= PAGE")
+            .expect("len <= page")
     }
 
     /// A free slot of class `c`: from its free list, a free page, CLOCK, or a
@@ -345,10 +364,10 @@ impl Store {
 
     fn give_page(&mut self, p: u32, c: usize) {
         let size = self.classes[c].size;
-        let n = PAGE / size;
+        let n = self.page / size;
         self.page_class[p as usize] = Some(c as u8);
         self.flags[p as usize] = vec![0; n as usize];
-        let base = u64::from(p) * PAGE;
+        let base = u64::from(p) * self.page;
         let class = &mut self.classes[c];
         class.pages.push(p);
         class.free.extend((0..n).rev().map(|i| base + i * size));
@@ -357,13 +376,13 @@ impl Store {
     /// Advance class `c`'s CLOCK hand to an evictable slot and evict it.
     fn clock(&mut self, c: usize, now: u64) -> Option<u64> {
         let size = self.classes[c].size;
-        let per_page = PAGE / size;
+        let per_page = self.page / size;
         // Two full turns clear every reference bit.
         let turns = 2 * self.classes[c].pages.len() as u64 * per_page + 1;
         for _ in 0..turns {
             let (pi, slot) = self.classes[c].hand;
             let page = self.classes[c].pages[pi % self.classes[c].pages.len()];
-            let offset = u64::from(page) * PAGE + slot * size;
+            let offset = u64::from(page) * self.page + slot * size;
             self.classes[c].hand = if slot + 1 >= per_page {
                 ((pi + 1) % self.classes[c].pages.len(), 0)
             } else {
@@ -415,15 +434,16 @@ impl Store {
         let size = self.classes[donor].size;
         for slot in 0..self.flags[page as usize].len() {
             if self.flags[page as usize][slot] & LIVE != 0 {
-                let offset = u64::from(page) * PAGE + slot as u64 * size;
+                let offset = u64::from(page) * self.page + slot as u64 * size;
                 let h = self.header_at(offset).expect("live");
                 let expired = h.expiry_ms != 0 && h.expiry_ms <= now;
                 self.evict_at(offset, &h, expired);
             }
         }
-        let lo = u64::from(page) * PAGE;
+        let lo = u64::from(page) * self.page;
+        let hi = lo + self.page;
         let d = &mut self.classes[donor];
-        d.free.retain(|&o| o < lo || o >= lo + PAGE);
+        d.free.retain(|&o| o < lo || o >= hi);
         d.pages.remove(pi);
         d.hand = (0, 0);
         self.counters.page_moves.fetch_add(1, Ordering::Relaxed);
@@ -440,7 +460,10 @@ impl Store {
         self.counters.rpc_hits.fetch_add(1, Ordering::Relaxed);
         let a = self.arena.read();
         let s = f.entry.offset as usize + HEADER + f.header.key_len as usize;
-        Some((a[s..s + f.header.value_len as usize].to_vec(), f.header.flags))
+        Some((
+            a[s..s + f.header.value_len as usize].to_vec(),
+            f.header.flags,
+        ))
     }
 
     /// Store `value` under `key` if `cond` holds; returns whether it was
@@ -458,7 +481,7 @@ impl Store {
             return Err(StoreError::BadKey(key.len()));
         }
         let len = HEADER + key.len() + value.len();
-        if len > MAX_ITEM {
+        if len > self.page as usize {
             return Err(StoreError::TooLarge {
                 max: self.max_payload(),
             });
@@ -586,7 +609,10 @@ impl Store {
                 let a = self.arena.read();
                 let s = f.entry.offset as usize + HEADER + f.header.key_len as usize;
                 let v = &a[s..s + f.header.value_len as usize];
-                (parse_i64(v).ok_or(StoreError::NotAnInteger)?, f.header.expiry_ms)
+                (
+                    parse_i64(v).ok_or(StoreError::NotAnInteger)?,
+                    f.header.expiry_ms,
+                )
             }
         };
         let new = n.checked_add(delta).ok_or(StoreError::Overflow)?;
@@ -611,7 +637,10 @@ impl Store {
         let (value, flags) = {
             let a = self.arena.read();
             let s = f.entry.offset as usize + HEADER + f.header.key_len as usize;
-            (a[s..s + f.header.value_len as usize].to_vec(), f.header.flags)
+            (
+                a[s..s + f.header.value_len as usize].to_vec(),
+                f.header.flags,
+            )
         };
         self.write_item(key, &value, flags, at.unwrap_or(0), now);
         true
@@ -717,14 +746,24 @@ mod tests {
     #[test]
     fn set_get_overwrite_delete() {
         let mut s = store(8);
-        assert_eq!(s.set(b"k", b"v1", 3, Expiry::Never, Cond::Always, 1).unwrap(), (true, None));
+        assert_eq!(
+            s.set(b"k", b"v1", 3, Expiry::Never, Cond::Always, 1)
+                .unwrap(),
+            (true, None)
+        );
         assert_eq!(s.get(b"k", 1), Some((b"v1".to_vec(), 3)));
         assert_eq!(one_sided(&s, b"k"), Some(b"v1".to_vec()));
-        let (ok, old) = s.set(b"k", b"second", 0, Expiry::Never, Cond::IfPresent, 2).unwrap();
+        let (ok, old) = s
+            .set(b"k", b"second", 0, Expiry::Never, Cond::IfPresent, 2)
+            .unwrap();
         assert!(ok);
         assert_eq!(old, Some(b"v1".to_vec()));
         assert_eq!(one_sided(&s, b"k"), Some(b"second".to_vec()));
-        assert!(!s.set(b"k", b"x", 0, Expiry::Never, Cond::IfAbsent, 3).unwrap().0);
+        assert!(
+            !s.set(b"k", b"x", 0, Expiry::Never, Cond::IfAbsent, 3)
+                .unwrap()
+                .0
+        );
         assert_eq!(s.items(), 1);
         assert_eq!(s.del(&[&b"k"[..], b"k", b"nope"], 4), 1);
         assert_eq!(one_sided(&s, b"k"), None);
@@ -735,19 +774,22 @@ mod tests {
     #[test]
     fn expiry_is_a_miss_and_reclaimed() {
         let mut s = store(8);
-        s.set(b"t", b"v", 0, Expiry::At(100), Cond::Always, 50).unwrap();
+        s.set(b"t", b"v", 0, Expiry::At(100), Cond::Always, 50)
+            .unwrap();
         assert_eq!(s.pttl(b"t", 60), 40);
         assert_eq!(s.get(b"t", 99).map(|v| v.0), Some(b"v".to_vec()));
         assert_eq!(s.get(b"t", 100), None);
         assert_eq!(s.items(), 0);
         assert_eq!(s.counters.expirations.load(Ordering::Relaxed), 1);
         assert_eq!(s.pttl(b"t", 100), -2);
-        s.set(b"p", b"v", 0, Expiry::Never, Cond::Always, 0).unwrap();
+        s.set(b"p", b"v", 0, Expiry::Never, Cond::Always, 0)
+            .unwrap();
         assert_eq!(s.pttl(b"p", 0), -1);
         assert!(s.expire(b"p", Some(500), 10));
         assert_eq!(s.pttl(b"p", 10), 490);
         // KEEPTTL and INCR keep it.
-        s.set(b"p", b"7", 0, Expiry::Keep, Cond::Always, 20).unwrap();
+        s.set(b"p", b"7", 0, Expiry::Keep, Cond::Always, 20)
+            .unwrap();
         assert_eq!(s.incr(b"p", 3, 30).unwrap(), 10);
         assert_eq!(s.pttl(b"p", 30), 470);
         assert!(s.expire(b"p", Some(5), 40), "an expiry in the past deletes");
@@ -759,11 +801,28 @@ mod tests {
         let mut s = store(8);
         assert_eq!(s.incr(b"n", 5, 0).unwrap(), 5);
         assert_eq!(s.incr(b"n", -7, 0).unwrap(), -2);
-        for bad in [&b"1.5"[..], b" 1", b"+1", b"01", b"-0", b"", b"abc", b"99999999999999999999"] {
+        for bad in [
+            &b"1.5"[..],
+            b" 1",
+            b"+1",
+            b"01",
+            b"-0",
+            b"",
+            b"abc",
+            b"99999999999999999999",
+        ] {
             s.set(b"b", bad, 0, Expiry::Never, Cond::Always, 0).unwrap();
             assert_eq!(s.incr(b"b", 1, 0), Err(StoreError::NotAnInteger), "{bad:?}");
         }
-        s.set(b"m", i64::MAX.to_string().as_bytes(), 0, Expiry::Never, Cond::Always, 0).unwrap();
+        s.set(
+            b"m",
+            i64::MAX.to_string().as_bytes(),
+            0,
+            Expiry::Never,
+            Cond::Always,
+            0,
+        )
+        .unwrap();
         assert_eq!(s.incr(b"m", 1, 0), Err(StoreError::Overflow));
         assert_eq!(parse_i64(b"-9223372036854775808"), Some(i64::MIN));
         assert_eq!(parse_i64(b"9223372036854775808"), None);
@@ -781,7 +840,15 @@ mod tests {
         for i in 0..40_000u32 {
             let len = [100, 1000, 4000, 30_000][i as usize % 4];
             let key = format!("key{i}");
-            s.set(key.as_bytes(), &value(i, len), 0, Expiry::Never, Cond::Always, 0).unwrap();
+            s.set(
+                key.as_bytes(),
+                &value(i, len),
+                0,
+                Expiry::Never,
+                Cond::Always,
+                0,
+            )
+            .unwrap();
             assert!(s.item_bytes() <= s.registered_bytes());
         }
         assert_eq!(s.registered_bytes(), before);
@@ -807,17 +874,55 @@ mod tests {
         assert_eq!(found, s.items());
     }
 
+    /// Items of many sizes in a small node: every class gets pages without
+    /// taking them from another, so nothing is evicted while memory is free.
+    #[test]
+    fn many_classes_fit_a_small_node() {
+        let mut s = store(16);
+        let val = |n: u64| vec![n as u8; 8 + (n * 7919 % 3000) as usize];
+        for i in 0..2000u64 {
+            s.set(
+                format!("key:{i}").as_bytes(),
+                &val(i),
+                0,
+                Expiry::Never,
+                Cond::Always,
+                0,
+            )
+            .unwrap();
+        }
+        for i in 0..2000u64 {
+            assert_eq!(
+                one_sided(&s, format!("key:{i}").as_bytes()),
+                Some(val(i)),
+                "key:{i}"
+            );
+        }
+        assert_eq!(s.counters.evictions.load(Ordering::Relaxed), 0);
+        assert_eq!(s.counters.page_moves.load(Ordering::Relaxed), 0);
+        assert_eq!(page_for(16 << 20), 256 << 10);
+        assert_eq!(page_for(256 << 20), 1 << 20);
+        assert_eq!(page_for(4 << 20), 64 << 10);
+    }
+
     #[test]
     fn limits_are_errors() {
         let mut s = store(8);
-        let big = vec![0u8; MAX_ITEM];
+        let big = vec![0u8; s.page as usize];
         assert!(matches!(
             s.set(b"k", &big, 0, Expiry::Never, Cond::Always, 0),
             Err(StoreError::TooLarge { .. })
         ));
-        assert_eq!(s.set(b"", b"v", 0, Expiry::Never, Cond::Always, 0), Err(StoreError::BadKey(0)));
-        let just = vec![1u8; MAX_ITEM - HEADER - 1];
-        assert!(s.set(b"k", &just, 0, Expiry::Never, Cond::Always, 0).unwrap().0);
+        assert_eq!(
+            s.set(b"", b"v", 0, Expiry::Never, Cond::Always, 0),
+            Err(StoreError::BadKey(0))
+        );
+        let just = vec![1u8; s.max_payload() - 1];
+        assert!(
+            s.set(b"k", &just, 0, Expiry::Never, Cond::Always, 0)
+                .unwrap()
+                .0
+        );
         assert_eq!(one_sided(&s, b"k"), Some(just));
         assert!(Store::new(&Domain::new(), 1 << 20).is_err());
     }
@@ -826,12 +931,21 @@ mod tests {
     fn flush_empties_everything() {
         let mut s = store(8);
         for i in 0..100 {
-            s.set(format!("{i}").as_bytes(), b"v", 0, Expiry::Never, Cond::Always, 0).unwrap();
+            s.set(
+                format!("{i}").as_bytes(),
+                b"v",
+                0,
+                Expiry::Never,
+                Cond::Always,
+                0,
+            )
+            .unwrap();
         }
         s.flush();
         assert_eq!((s.items(), s.item_bytes()), (0, 0));
         assert_eq!(one_sided(&s, b"5"), None);
-        s.set(b"5", b"again", 0, Expiry::Never, Cond::Always, 0).unwrap();
+        s.set(b"5", b"again", 0, Expiry::Never, Cond::Always, 0)
+            .unwrap();
         assert_eq!(one_sided(&s, b"5"), Some(b"again".to_vec()));
     }
 }

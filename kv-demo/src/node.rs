@@ -1,0 +1,315 @@
+//! A cache node: a [`Store`] served over rdmx-rpc (writes, RPC reads, and the
+//! geometry clients need for one-sided reads), with Prometheus metrics.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use rdmx_core::{Domain, Listener, Options, Transports};
+use rdmx_rpc::{Server, ServerOptions, Service};
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::store::{Cond, Expiry, Geometry, Store};
+
+/// The RPC service name and version.
+pub const SERVICE: &str = "rdmx-kv";
+/// Version of the node protocol.
+pub const VERSION: u32 = 1;
+/// Every method a node serves.
+pub const METHODS: &[&str] = &[
+    "info", "get", "set", "del", "exists", "incr", "expire", "pttl", "touch", "flush", "dbsize",
+];
+
+/// The node's clock: Unix milliseconds.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What a client learns at connect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Where to read one-sidedly.
+    pub geometry: Geometry,
+    /// The node's clock when it answered.
+    pub now_ms: u64,
+    /// Random per node start: a restarted node has another epoch.
+    pub epoch: u64,
+    /// Bytes of key and value one item holds.
+    pub max_payload: u64,
+}
+
+/// A relative expiry, as clients send it (no clock skew involved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ttl {
+    /// No expiry.
+    Never,
+    /// Expire this many milliseconds from now.
+    In(u64),
+    /// Keep the current expiry.
+    Keep,
+}
+
+/// A SET request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SetReq {
+    /// The key.
+    pub key: ByteBuf,
+    /// The value.
+    pub value: ByteBuf,
+    /// Opaque flags stored with the value.
+    pub flags: u32,
+    /// Expiry.
+    pub ttl: Ttl,
+    /// NX / XX.
+    pub cond: Cond,
+}
+
+/// A SET answer: stored, and the previous value (for SET … GET).
+pub type SetResp = (bool, Option<ByteBuf>);
+
+/// A running node.
+pub struct Node {
+    store: Arc<Mutex<Store>>,
+    server: Server,
+    epoch: u64,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("epoch", &self.epoch).finish()
+    }
+}
+
+fn expiry(ttl: Ttl, now: u64) -> Expiry {
+    match ttl {
+        Ttl::Never => Expiry::Never,
+        Ttl::In(ms) => Expiry::At(now.saturating_add(ms.max(1))),
+        Ttl::Keep => Expiry::Keep,
+    }
+}
+
+impl Node {
+    /// A node holding at most `memory` bytes of items (index and arena),
+    /// registered in `domain` (the domain its listener must serve).
+    pub fn new(domain: &Domain, memory: u64) -> Result<Node, String> {
+        let store = Arc::new(Mutex::new(Store::new(domain, memory)?));
+        let epoch: u64 = rand::random();
+        let service = service(store.clone(), epoch);
+        Ok(Node {
+            store,
+            server: Server::new(service, ServerOptions::default()),
+            epoch,
+        })
+    }
+
+    /// Listen on `url` with `opts` (its domain replaced by the node's) and
+    /// serve until [`Node::shutdown`]. Returns the listener's address first
+    /// through `ready`.
+    pub async fn listen(
+        transports: &Transports,
+        url: &str,
+        memory: u64,
+        opts: Options,
+    ) -> rdmx_core::Result<(Arc<Node>, Listener)> {
+        let domain = Domain::new();
+        let node = Node::new(&domain, memory).map_err(rdmx_core::Error::InvalidArgument)?;
+        let listener = transports.listen(url, &Options { domain, ..opts }).await?;
+        Ok((Arc::new(node), listener))
+    }
+
+    /// Serve connections from `listener` until [`Node::shutdown`].
+    pub async fn serve(&self, listener: Listener) -> Result<(), rdmx_rpc::RpcError> {
+        self.server.serve(listener).await
+    }
+
+    /// Stop accepting and drain.
+    pub fn shutdown(&self) {
+        self.server.shutdown();
+    }
+
+    /// This run's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Prometheus text of the node's own families (the rdmx counters come
+    /// from `rdmx_core::metrics`).
+    pub fn metrics(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let (items, bytes, memory, c) = {
+            let s = self.store.lock();
+            (
+                s.items(),
+                s.item_bytes(),
+                s.registered_bytes(),
+                s.counters(),
+            )
+        };
+        let rpc = self.server.stats().snapshot();
+        let mut gauge = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP rdmx_kv_{name} {help}\n# TYPE rdmx_kv_{name} gauge\nrdmx_kv_{name} {v}"
+            );
+        };
+        gauge(
+            "items",
+            "Items stored (expired ones not yet reclaimed included).",
+            items,
+        );
+        gauge(
+            "item_bytes",
+            "Bytes of items: headers, keys and values.",
+            bytes,
+        );
+        gauge(
+            "memory_bytes",
+            "Registered memory for items: index and arena (the --memory cap).",
+            memory,
+        );
+        let mut counter = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP rdmx_kv_{name}_total {help}\n# TYPE rdmx_kv_{name}_total counter\nrdmx_kv_{name}_total {v}");
+        };
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        counter("evictions", "Items evicted to make room.", l(&c.evictions));
+        counter("expirations", "Expired items reclaimed.", l(&c.expirations));
+        counter(
+            "rpc_hits",
+            "GETs by RPC that found a live item.",
+            l(&c.rpc_hits),
+        );
+        counter(
+            "rpc_misses",
+            "GETs by RPC that found none.",
+            l(&c.rpc_misses),
+        );
+        counter(
+            "sets",
+            "Items written (SET and variants, INCR, EXPIRE).",
+            l(&c.sets),
+        );
+        counter(
+            "page_moves",
+            "Arena pages moved between slab classes.",
+            l(&c.page_moves),
+        );
+        counter("rpc_calls", "RPC calls served.", rpc.calls);
+        let _ = writeln!(
+            out,
+            "# HELP rdmx_kv_one_sided_reads_total One-sided reads of the index and arena served (software transports count them; NICs do not).\n# TYPE rdmx_kv_one_sided_reads_total counter\nrdmx_kv_one_sided_reads_total {}",
+            rdmx_core::stats::global().snapshot().remote_ops_served
+        );
+    }
+}
+
+fn keys(v: Vec<ByteBuf>) -> Vec<Vec<u8>> {
+    v.into_iter().map(ByteBuf::into_vec).collect()
+}
+
+/// The node's RPC service over `store`.
+fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
+    let s = store;
+    let st = s.clone();
+    let info = move |()| {
+        let st = st.clone();
+        async move {
+            let s = st.lock();
+            Ok::<_, String>(NodeInfo {
+                geometry: s.geometry(),
+                now_ms: now_ms(),
+                epoch,
+                max_payload: s.max_payload() as u64,
+            })
+        }
+    };
+    let st = s.clone();
+    let get = move |key: ByteBuf| {
+        let st = st.clone();
+        async move {
+            let v = st.lock().get(&key, now_ms());
+            Ok::<_, String>(v.map(|(v, f)| (ByteBuf::from(v), f)))
+        }
+    };
+    let st = s.clone();
+    let set = move |r: SetReq| {
+        let st = st.clone();
+        async move {
+            let now = now_ms();
+            let (ok, old) = st
+                .lock()
+                .set(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
+                .map_err(|e| e.to_string())?;
+            Ok::<SetResp, String>((ok, old.map(ByteBuf::from)))
+        }
+    };
+    let st = s.clone();
+    let del = move |k: Vec<ByteBuf>| {
+        let st = st.clone();
+        async move { Ok::<_, String>(st.lock().del(&keys(k), now_ms())) }
+    };
+    let st = s.clone();
+    let exists = move |k: Vec<ByteBuf>| {
+        let st = st.clone();
+        async move { Ok::<_, String>(st.lock().exists(&keys(k), now_ms())) }
+    };
+    let st = s.clone();
+    let incr = move |(k, d): (ByteBuf, i64)| {
+        let st = st.clone();
+        async move { st.lock().incr(&k, d, now_ms()).map_err(|e| e.to_string()) }
+    };
+    let st = s.clone();
+    // Milliseconds from now; `None` removes the expiry; <= 0 deletes.
+    let expire = move |(k, ms): (ByteBuf, Option<i64>)| {
+        let st = st.clone();
+        async move {
+            let now = now_ms();
+            let at = ms.map(|ms| {
+                if ms <= 0 {
+                    now
+                } else {
+                    now.saturating_add(ms as u64)
+                }
+            });
+            Ok::<_, String>(st.lock().expire(&k, at, now))
+        }
+    };
+    let st = s.clone();
+    let pttl = move |k: ByteBuf| {
+        let st = st.clone();
+        async move { Ok::<_, String>(st.lock().pttl(&k, now_ms())) }
+    };
+    let st = s.clone();
+    let touch = move |k: Vec<ByteBuf>| {
+        let st = st.clone();
+        async move { Ok::<_, String>(st.lock().touch(&keys(k), now_ms())) }
+    };
+    let st = s.clone();
+    let flush = move |()| {
+        let st = st.clone();
+        async move {
+            st.lock().flush();
+            Ok::<_, String>(())
+        }
+    };
+    let st = s;
+    let dbsize = move |()| {
+        let st = st.clone();
+        async move { Ok::<_, String>(st.lock().items()) }
+    };
+    Service::new(SERVICE, VERSION)
+        .method("info", info)
+        .method("get", get)
+        .method("set", set)
+        .method("del", del)
+        .method("exists", exists)
+        .method("incr", incr)
+        .method("expire", expire)
+        .method("pttl", pttl)
+        .method("touch", touch)
+        .method("flush", flush)
+        .method("dbsize", dbsize)
+}

@@ -35,8 +35,9 @@ pub const HEADER: usize = 40;
 pub const MAGIC: &[u8; 4] = b"KVI1";
 /// Largest item (header + key + value) the length field can describe.
 pub const MAX_ITEM_LEN: u64 = (1 << 24) - 1;
-/// Largest key (Redis allows more; a cache key this long is a bug).
-pub const MAX_KEY: usize = 1024;
+/// Largest key: what the header's 16-bit length holds (an item must also
+/// fit one arena page).
+pub const MAX_KEY: usize = u16::MAX as usize;
 
 /// The hash of a key under a node's seed: picks the bucket and the tag.
 pub fn key_hash(key: &[u8], seed: u64) -> u64 {

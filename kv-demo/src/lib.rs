@@ -11,8 +11,10 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod gateway;
 pub mod layout;
 pub mod node;
+pub mod resp;
 pub mod store;
 
 pub use client::{Client, ClientConfig, GetPath, KvError};

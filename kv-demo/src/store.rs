@@ -65,8 +65,8 @@ pub enum StoreError {
         /// Bytes of key and value an item can hold.
         max: usize,
     },
-    /// The key is empty or too long.
-    #[error("key length {0} is out of range (1..={MAX_KEY})")]
+    /// The key is too long.
+    #[error("key is too long for this cache ({0} bytes; at most {MAX_KEY})")]
     BadKey(usize),
     /// The stored value is not a 64-bit integer.
     #[error("value is not an integer or out of range")]
@@ -477,15 +477,7 @@ impl Store {
         cond: Cond,
         now: u64,
     ) -> Result<(bool, Option<Vec<u8>>), StoreError> {
-        if key.is_empty() || key.len() > MAX_KEY {
-            return Err(StoreError::BadKey(key.len()));
-        }
-        let len = HEADER + key.len() + value.len();
-        if len > self.page as usize {
-            return Err(StoreError::TooLarge {
-                max: self.max_payload(),
-            });
-        }
+        self.fits(key, value.len())?;
         let current = self.live(key, now);
         let old = current.map(|f| {
             let a = self.arena.read();
@@ -507,6 +499,19 @@ impl Store {
         };
         self.write_item(key, value, flags, expiry_ms, now);
         Ok((true, old))
+    }
+
+    /// Whether an item of `key` and `value_len` bytes fits a page.
+    fn fits(&self, key: &[u8], value_len: usize) -> Result<(), StoreError> {
+        if key.len() > MAX_KEY {
+            return Err(StoreError::BadKey(key.len()));
+        }
+        if HEADER + key.len() + value_len > self.page as usize {
+            return Err(StoreError::TooLarge {
+                max: self.max_payload(),
+            });
+        }
+        Ok(())
     }
 
     /// Write a new item for `key` and point the index at it; the previous
@@ -602,6 +607,8 @@ impl Store {
     /// Add `delta` to the integer stored at `key` (absent: 0); keeps the
     /// expiry. Returns the new value.
     pub fn incr(&mut self, key: &[u8], delta: i64, now: u64) -> Result<i64, StoreError> {
+        // The longest result, "-9223372036854775808", is 20 bytes.
+        self.fits(key, 20)?;
         let cur = self.live(key, now);
         let (n, expiry) = match cur {
             None => (0, 0),
@@ -913,10 +920,18 @@ mod tests {
             s.set(b"k", &big, 0, Expiry::Never, Cond::Always, 0),
             Err(StoreError::TooLarge { .. })
         ));
-        assert_eq!(
-            s.set(b"", b"v", 0, Expiry::Never, Cond::Always, 0),
-            Err(StoreError::BadKey(0))
+        assert!(
+            s.set(b"", b"empty key", 0, Expiry::Never, Cond::Always, 0)
+                .unwrap()
+                .0
         );
+        assert_eq!(s.get(b"", 0).unwrap().0, b"empty key");
+        let long = vec![b'k'; MAX_KEY + 1];
+        assert_eq!(
+            s.set(&long, b"v", 0, Expiry::Never, Cond::Always, 0),
+            Err(StoreError::BadKey(MAX_KEY + 1))
+        );
+        assert_eq!(s.incr(&long, 1, 0), Err(StoreError::BadKey(MAX_KEY + 1)));
         let just = vec![1u8; s.max_payload() - 1];
         assert!(
             s.set(b"k", &just, 0, Expiry::Never, Cond::Always, 0)

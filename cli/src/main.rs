@@ -6,6 +6,8 @@
 //! * `rdmx doctor` — RDMA devices, GIDs, limits and settings, with advice.
 //! * `rdmx soak` — a checked write/read/send mix over a path, with goodput
 //!   and protocol counters (retransmits, NAKs, CNPs).
+//! * `rdmx kv` — the distributed cache: `server` (a node), `resp` (a Redis
+//!   protocol gateway), `bench` (the native client under a YCSB-style load).
 //!
 //! Logs go to stderr (`RDMX_LOG=debug` for more), coloured only on a terminal;
 //! a failure is printed once, as `rdmx: <error>`, with a non-zero exit.
@@ -14,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 mod doctor;
+mod kv;
 mod pcap;
 mod perf;
 mod plot;
@@ -29,7 +32,8 @@ use clap::{Parser, Subcommand};
     version,
     about = "rdmx: RDMA-speed transport for distributed services, with TCP fallback.\n\
              perf measures any transport against a raw-TCP baseline, soak checks a path's \
-             integrity and goodput, pcap checks RoCEv2 captures, doctor explains this host's RDMA setup.",
+             integrity and goodput, pcap checks RoCEv2 captures, doctor explains this host's RDMA setup, \
+             kv runs the distributed cache (nodes, a Redis-protocol gateway, a benchmark).",
     after_help = "Logs: RDMX_LOG=debug|info|warn (default warn), on stderr."
 )]
 struct Cli {
@@ -47,6 +51,8 @@ enum Cmd {
     Soak(soak::SoakArgs),
     /// Report this host's RDMA devices, GIDs, limits and settings, with advice.
     Doctor(doctor::DoctorArgs),
+    /// The distributed cache: nodes, the RESP (Redis) gateway, a benchmark.
+    Kv(kv::KvArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -74,6 +80,7 @@ fn main() -> std::process::ExitCode {
                 Cmd::Pcap(a) => pcap::run(a),
                 Cmd::Soak(a) => soak::run(a).await,
                 Cmd::Doctor(a) => doctor::run(a),
+                Cmd::Kv(a) => kv::run(a).await,
             }
         })
         .await

@@ -543,7 +543,7 @@ fn errors_are_printed_once_without_colour() {
     assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
     let help = rdmx().arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
-    for sub in ["perf", "pcap", "soak", "doctor"] {
+    for sub in ["perf", "pcap", "soak", "doctor", "kv"] {
         assert!(
             help.contains(&format!("\n  {sub} ")),
             "{sub} missing from\n{help}"

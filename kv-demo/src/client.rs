@@ -127,6 +127,8 @@ struct Slot {
     id: u64,
     state: RwLock<State>,
     probing: tokio::sync::Mutex<()>,
+    /// Whether it has been up before (so coming up again counts as "back").
+    was_up: std::sync::atomic::AtomicBool,
 }
 
 struct Inner {
@@ -182,6 +184,7 @@ impl Client {
                     backoff: cfg.probe_backoff,
                 }),
                 probing: tokio::sync::Mutex::new(()),
+                was_up: std::sync::atomic::AtomicBool::new(false),
             })
             .collect();
         let inner = Arc::new(Inner {
@@ -474,6 +477,13 @@ impl Client {
         self.all_up::<()>("flush").await.map(|_| ())
     }
 
+    /// Each up node's own report, by URL.
+    pub async fn node_stats(&self) -> Result<Vec<(String, crate::node::NodeStats)>, KvError> {
+        let urls: Vec<String> = self.nodes_up();
+        let stats = self.all_up::<crate::node::NodeStats>("stats").await?;
+        Ok(urls.into_iter().zip(stats).collect())
+    }
+
     /// Items on the nodes that are up.
     pub async fn dbsize(&self) -> Result<u64, KvError> {
         Ok(self.all_up::<u64>("dbsize").await?.into_iter().sum())
@@ -530,9 +540,9 @@ async fn probe(inner: &Arc<Inner>, i: usize) {
     let mut st = slot.state.write();
     match result {
         Ok(link) => {
-            if matches!(&*st, State::Down { .. }) {
+            if matches!(&*st, State::Down { .. }) && slot.was_up.swap(true, Ordering::Relaxed) {
                 inner.counters.nodes_back.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(node = %slot.url, epoch = link.info.epoch, "cache node up");
+                tracing::info!(node = %slot.url, epoch = link.info.epoch, "cache node back");
             }
             *st = State::Up(Arc::new(link));
         }

@@ -59,10 +59,87 @@ pub struct GatewayCounters {
     pub protocol_errors: AtomicU64,
 }
 
+/// The cluster client a gateway uses; replaced whole when membership is
+/// reloaded (connections pick up the new one at their next request).
+pub type SharedClient = Arc<parking_lot::RwLock<Client>>;
+
+/// Prometheus text of a gateway's families: its own counters and its
+/// client's per-path counters.
+pub fn metrics(out: &mut String, client: &Client, counters: &GatewayCounters) {
+    use std::fmt::Write as _;
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let c = client.counters();
+    let rows: [(&str, &str, u64); 11] = [
+        (
+            "gateway_connections",
+            "Redis client connections accepted.",
+            l(&counters.connections),
+        ),
+        (
+            "gateway_commands",
+            "Commands answered.",
+            l(&counters.commands),
+        ),
+        (
+            "gateway_protocol_errors",
+            "Connections closed for malformed RESP.",
+            l(&counters.protocol_errors),
+        ),
+        (
+            "one_sided_hits",
+            "GETs by one-sided reads that found a value.",
+            l(&c.one_sided_hits),
+        ),
+        (
+            "one_sided_misses",
+            "GETs by one-sided reads that found none.",
+            l(&c.one_sided_misses),
+        ),
+        (
+            "one_sided_retries",
+            "One-sided reads retried (torn, overwritten or reused items).",
+            l(&c.one_sided_retries),
+        ),
+        (
+            "one_sided_fallbacks",
+            "One-sided GETs that gave up and asked by RPC.",
+            l(&c.one_sided_fallbacks),
+        ),
+        (
+            "client_rpc_hits",
+            "GETs by RPC that found a value.",
+            l(&c.rpc_hits),
+        ),
+        (
+            "client_rpc_misses",
+            "GETs by RPC that found none.",
+            l(&c.rpc_misses),
+        ),
+        (
+            "nodes_marked_down",
+            "Times a node was marked down.",
+            l(&c.nodes_marked_down),
+        ),
+        (
+            "nodes_back",
+            "Times a down node came back.",
+            l(&c.nodes_back),
+        ),
+    ];
+    for (name, help, v) in rows {
+        let _ = writeln!(out, "# HELP rdmx_kv_{name}_total {help}\n# TYPE rdmx_kv_{name}_total counter\nrdmx_kv_{name}_total {v}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP rdmx_kv_nodes_up Cache nodes up.\n# TYPE rdmx_kv_nodes_up gauge\nrdmx_kv_nodes_up {}",
+        client.nodes_up().len()
+    );
+}
+
 /// Accept Redis clients on `listener` forever.
 pub async fn serve(
     listener: TcpListener,
-    client: Client,
+    client: SharedClient,
     cfg: GatewayConfig,
     counters: Arc<GatewayCounters>,
 ) {
@@ -92,7 +169,7 @@ fn is_get(args: &[Bytes]) -> bool {
 
 async fn connection(
     mut s: TcpStream,
-    client: Client,
+    shared: SharedClient,
     cfg: GatewayConfig,
     counters: Arc<GatewayCounters>,
 ) -> std::io::Result<()> {
@@ -115,6 +192,7 @@ async fn connection(
                 }
             }
         }
+        let client = shared.read().clone();
         let mut i = 0;
         let mut quit = false;
         while i < batch.len() && !quit {

@@ -10,6 +10,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod client;
 pub mod gateway;
 pub mod layout;
@@ -18,5 +19,5 @@ pub mod resp;
 pub mod store;
 
 pub use client::{Client, ClientConfig, GetPath, KvError};
-pub use node::{Node, NodeInfo, Ttl};
+pub use node::{Node, NodeInfo, NodeStats, Ttl};
 pub use store::{Cond, Store};

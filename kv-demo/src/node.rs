@@ -20,7 +20,35 @@ pub const VERSION: u32 = 1;
 /// Every method a node serves.
 pub const METHODS: &[&str] = &[
     "info", "get", "set", "del", "exists", "incr", "expire", "pttl", "touch", "flush", "dbsize",
+    "stats",
 ];
+
+/// What a node reports about itself (for benchmarks and operators).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// CPU seconds the node process has used (user + system, all threads).
+    pub cpu_seconds: f64,
+    /// Items stored.
+    pub items: u64,
+    /// RPC GETs served.
+    pub rpc_gets: u64,
+    /// One-sided reads served by this process (software transports count them).
+    pub one_sided_reads: u64,
+}
+
+/// CPU seconds of this process, from `/proc/self/stat` (utime + stime, in
+/// the kernel's USER_HZ = 100 ticks per second that Linux exports there).
+pub fn process_cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after ')'.
+    (tick(11) + tick(12)) as f64 / 100.0
+}
 
 /// The node's clock: Unix milliseconds.
 pub fn now_ms() -> u64 {
@@ -200,6 +228,11 @@ impl Node {
         counter("rpc_calls", "RPC calls served.", rpc.calls);
         let _ = writeln!(
             out,
+            "# HELP rdmx_kv_process_cpu_seconds_total CPU seconds of the node process (user and system).\n# TYPE rdmx_kv_process_cpu_seconds_total counter\nrdmx_kv_process_cpu_seconds_total {:.2}",
+            process_cpu_seconds()
+        );
+        let _ = writeln!(
+            out,
             "# HELP rdmx_kv_one_sided_reads_total One-sided reads of the index and arena served (software transports count them; NICs do not).\n# TYPE rdmx_kv_one_sided_reads_total counter\nrdmx_kv_one_sided_reads_total {}",
             rdmx_core::stats::global().snapshot().remote_ops_served
         );
@@ -295,6 +328,20 @@ fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
             Ok::<_, String>(())
         }
     };
+    let st = s.clone();
+    let stats = move |()| {
+        let st = st.clone();
+        async move {
+            let s = st.lock();
+            let c = s.counters();
+            Ok::<_, String>(NodeStats {
+                cpu_seconds: process_cpu_seconds(),
+                items: s.items(),
+                rpc_gets: c.rpc_hits.load(Ordering::Relaxed) + c.rpc_misses.load(Ordering::Relaxed),
+                one_sided_reads: rdmx_core::stats::global().snapshot().remote_ops_served,
+            })
+        }
+    };
     let st = s;
     let dbsize = move |()| {
         let st = st.clone();
@@ -312,4 +359,5 @@ fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
         .method("touch", touch)
         .method("flush", flush)
         .method("dbsize", dbsize)
+        .method("stats", stats)
 }

@@ -48,7 +48,7 @@ fn gateway(scheme: &'static str) -> String {
             tx.send(l.local_addr().unwrap().to_string()).unwrap();
             serve(
                 l,
-                client,
+                Arc::new(parking_lot::RwLock::new(client)),
                 GatewayConfig::default(),
                 Arc::new(GatewayCounters::default()),
             )

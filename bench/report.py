@@ -181,7 +181,12 @@ rdma = rdmx("rdmx_rdma")
 
 def soak(name):
     rows = rdmx(name)
-    return rows[0] if rows else None
+    if not rows:
+        return None
+    r = dict(rows[0])
+    # RDMA runs carry their protocol counters under "rdma"; TCP runs have none.
+    r.update(r.get("rdma") or {"retransmits": 0, "naks": 0, "rnr_naks": 0, "cnps": 0, "ce_marked": 0})
+    return r
 
 
 w("## Soft RoCE: the rdma transport on the userspace RoCEv2 engine\n")
@@ -305,4 +310,88 @@ if rpc:
     w("")
 w("![latency and bandwidth against size](bench/perf-tcp.svg)\n")
 w("`bench/perf-tcp.svg` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg bench/perf-tcp.svg` in the same run.\n")
+
+
+def redis_csv(name):
+    """redis-benchmark --csv: test, rps, avg, min, p50, p95, p99, max (ms)."""
+    rows = {}
+    for line in read(name, "out").splitlines():
+        cells = [c.strip('"') for c in line.strip().split('","')]
+        if len(cells) >= 7 and cells[0] in ("SET", "GET"):
+            rows[cells[0]] = {"rps": float(cells[1]), "p50_ms": float(cells[4]), "p99_ms": float(cells[6])}
+    return rows
+
+
+def memcached_rows(name):
+    return {r["test"]: r for r in rdmx(name)}
+
+
+kv_systems = [
+    ("rdmx gateway, 2 nodes over tcp://", "kv_gw_tcp", redis_csv),
+    ("rdmx gateway, 2 nodes over rdma:// (soft RoCE)", "kv_gw_rdma", redis_csv),
+    ("redis-server 7", "kv_redis", redis_csv),
+    ("memcached (text protocol, memcached_load)", "kv_memcached", memcached_rows),
+]
+kv = {(label, p): fn(f"{stem}_P{p}") for label, stem, fn in kv_systems for p in (1, 16)}
+if any(kv.values()):
+    w("## KV cache: Redis clients against the rdmx gateway, redis-server and memcached\n")
+    w("50 connections, 100-byte values, keys drawn from 100,000, SET then GET, P requests "
+      "pipelined per connection. The gateway adds a hop (client → gateway → node) and reads "
+      "with two one-sided reads per GET (bucket, item); all processes share this VM's two cores.\n")
+    w(f"Commands: `{cmd('kv_gw_tcp_P1')}` (gateway; likewise `-P 16`, and for rdma:// nodes), "
+      f"`{cmd('kv_redis_P1')}`, `{cmd('kv_memcached_P1')}`.\n")
+    w("| system | P | SET ops/s | SET p50 ms | SET p99 ms | GET ops/s | GET p50 ms | GET p99 ms |")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, _, _ in kv_systems:
+        for p in (1, 16):
+            r = kv[(label, p)] or {}
+            s_, g_ = r.get("SET", {}), r.get("GET", {})
+            w(f"| {label} | {p} | {f(s_.get('rps'), 0)} | {f(s_.get('p50_ms'), 3)} | {f(s_.get('p99_ms'), 3)} | "
+              f"{f(g_.get('rps'), 0)} | {f(g_.get('p50_ms'), 3)} | {f(g_.get('p99_ms'), 3)} |")
+    w("")
+
+    benches = {}
+    for scheme in ("tcp", "rdma"):
+        for value in (100, 4096, 65536):
+            for mix in (95, 100):
+                for path in ("one-sided", "rpc"):
+                    rows = rdmx(f"kv_bench_{scheme}_{value}_{mix}_{path}")
+                    benches[(scheme, value, mix, path)] = rows[0] if rows else None
+    if any(benches.values()):
+        w("### rdmx kv bench: one-sided GET against RPC GET\n")
+        w("The native client, 32 operations in flight, keys by Zipf 0.99 over 1 M keys (the "
+          "hottest loaded first, as many as fit 60% of the nodes' memory), 95/5 GET/SET "
+          "(YCSB-B) or 100% GET. Node CPU is both nodes' process CPU seconds over the run "
+          "per million GETs. Over TCP and soft RoCE the one-sided reads are still served by "
+          "software in the node process (a NIC would serve them without it).\n")
+        w(f"Command: `{cmd('kv_bench_tcp_100_95_one-sided')}` (likewise for each row).\n")
+        w("| nodes | value | GET % | path | ops/s | GET p50 µs | GET p99 µs | hit ratio | node CPU s / M GETs | retries |")
+        w("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        for (scheme, value, mix, path), r in benches.items():
+            if r:
+                w(f"| {scheme} | {value} | {mix} | {path} | {f(r['ops_per_s'], 0)} | {f(r['get_p50_us'], 1)} | "
+                  f"{f(r['get_p99_us'], 1)} | {f(r['hit_ratio'], 3)} | {f(r['node_cpu_s_per_m_gets'], 2)} | {r['retries']} |")
+        w("")
+
+    w("## Targets (issue 11), checked by the script\n")
+    w("| target | measured | met |")
+    w("|---|---|---|")
+    for p in (1, 16):
+        red = (kv[("redis-server 7", p)] or {}).get("GET")
+        for label in ("rdmx gateway, 2 nodes over tcp://", "rdmx gateway, 2 nodes over rdma:// (soft RoCE)"):
+            g = (kv[(label, p)] or {}).get("GET")
+            if red and g:
+                target(f"{label}: GET ≥ redis-server GET at P{p}",
+                       f"{f(g['rps'] / red['rps'])} × ({f(g['rps'], 0)} vs {f(red['rps'], 0)} ops/s)", g["rps"] >= red["rps"])
+    for scheme in ("tcp", "rdma"):
+        a, b = benches.get((scheme, 100, 100, "one-sided")), benches.get((scheme, 100, 100, "rpc"))
+        if a and b:
+            x = a["ops_per_s"] / b["ops_per_s"]
+            target(f"{scheme}: one-sided GET ≥ 1.5 × RPC GET throughput (100 B, 100% GET)",
+                   f"{f(x)} × ({f(a['ops_per_s'], 0)} vs {f(b['ops_per_s'], 0)} ops/s)", x >= 1.5)
+            target(f"{scheme}: one-sided GET uses less node CPU per GET than RPC",
+                   f"{f(a['node_cpu_s_per_m_gets'])} vs {f(b['node_cpu_s_per_m_gets'])} s per M GETs",
+                   a["node_cpu_s_per_m_gets"] < b["node_cpu_s_per_m_gets"])
+    w("")
+
 print("\n".join(o))

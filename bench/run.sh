@@ -125,6 +125,68 @@ else
   echo "skipping the netns goodput runs (need root, ip and nft)" >&2
 fi
 
+# The KV cache (rdmx-kv): unmodified redis-benchmark against the rdmx RESP
+# gateway over two nodes (tcp:// and rdma://), against redis-server, and the
+# same shape against memcached (examples/memcached_load.rs: its text protocol,
+# 50 connections, -P pipelining, uniform keys); then the native client
+# (`rdmx kv bench`, Zipf 0.99 over 1 M keys) with one-sided and RPC GETs.
+if need redis-server && need redis-benchmark && need memcached; then
+  echo "KV cache: the gateway, redis-server and memcached; rdmx kv bench" >&2
+  cargo build --release -q -p rdmx-kv --example memcached_load
+  freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  if [ -n "${QUICK:-}" ]; then KVN=20000; KVKEYS=50000; KVDUR=500; else KVN=200000; KVKEYS=1000000; KVDUR=3000; fi
+  waitport() { for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+  for scheme in tcp rdma; do
+    P1=$(freeport); P2=$(freeport); GW=$(freeport)
+    $RDMX kv server --listen $scheme://127.0.0.1:$P1 --memory 256m > "$OUT/kv_node1_$scheme.log" 2>&1 &
+    N1=$!
+    $RDMX kv server --listen $scheme://127.0.0.1:$P2 --memory 256m > "$OUT/kv_node2_$scheme.log" 2>&1 &
+    N2=$!
+    waitport $P1 && waitport $P2
+    NODES=$scheme://127.0.0.1:$P1,$scheme://127.0.0.1:$P2
+    $RDMX kv resp --listen 127.0.0.1:$GW --nodes $NODES > "$OUT/kv_gw_$scheme.log" 2>&1 &
+    G=$!
+    waitport $GW
+    for P in 1 16; do
+      run kv_gw_${scheme}_P$P redis-benchmark -h 127.0.0.1 -p $GW -c 50 -d 100 -r 100000 -t set,get -n $((KVN * P / 2 + KVN / 2)) -P $P --csv
+    done
+    kill $G 2>/dev/null || true
+    for value in 100 4096 65536; do
+      # Load the hottest keys that fit about 60% of the two nodes' memory.
+      LOAD=$(python3 -c "print(min($KVKEYS, int(0.6 * 512 * 2**20 / ($value + 80))))")
+      run kv_load_${scheme}_$value $RDMX kv bench --nodes $NODES --keys $KVKEYS --value $value --load $LOAD \
+        --duration-ms 1 --json
+      for mix in 95 100; do
+        for path in one-sided rpc; do
+          run kv_bench_${scheme}_${value}_${mix}_$path $RDMX kv bench --nodes $NODES --keys $KVKEYS --value $value \
+            --get-percent $mix --path $path --duration-ms $KVDUR --no-load --json
+        done
+      done
+    done
+    kill $N1 $N2 2>/dev/null || true
+    wait $N1 $N2 $G 2>/dev/null || true
+  done
+  RP=$(freeport)
+  redis-server --port $RP --bind 127.0.0.1 --save "" --appendonly no > "$OUT/kv_redis.log" 2>&1 &
+  R=$!
+  waitport $RP
+  for P in 1 16; do
+    run kv_redis_P$P redis-benchmark -h 127.0.0.1 -p $RP -c 50 -d 100 -r 100000 -t set,get -n $((KVN * P / 2 + KVN / 2)) -P $P --csv
+  done
+  kill $R 2>/dev/null || true
+  MP=$(freeport)
+  memcached -p $MP -l 127.0.0.1 -m 512 -U 0 -t 2 -u root > "$OUT/kv_memcached.log" 2>&1 &
+  M=$!
+  waitport $MP
+  for P in 1 16; do
+    run kv_memcached_P$P target/release/examples/memcached_load 127.0.0.1:$MP -c 50 -d 100 -r 100000 -n $((KVN * P / 2 + KVN / 2)) -P $P
+  done
+  kill $M 2>/dev/null || true
+  wait $R $M 2>/dev/null || true
+else
+  echo "skipping the KV rows (need redis-server, redis-benchmark, memcached)" >&2
+fi
+
 REPORT=${BENCH_MD:-BENCHMARKS.md}
 python3 bench/report.py "$OUT" > "$REPORT"
 echo "wrote $REPORT" >&2

@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
         theirs.write_all(data).await.unwrap();
         drop(theirs.shutdown().await);
         let limits = Limits { credits: 16, window: 1 << 20, max_message: 1 << 18 };
-        let res = handshake::server(&mut ours, limits, Some(b"k")).await;
+        let res = handshake::server(&mut ours, limits, Some(b"k"), handshake::Speaks::Tcp).await;
         if res.is_ok() {
             assert!(data.len() >= 44 + 32 && &data[..4] == b"RDMX");
         }

@@ -2,15 +2,11 @@
 //! unmodified `redis-cli`; metrics scraped from a node and the gateway; the
 //! gateway's node list reloaded on SIGHUP.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod common;
 
-fn rdmx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rdmx"))
-}
+use std::process::Command;
+
+use common::{metric, scrape, Spawned};
 
 fn port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -18,51 +14,6 @@ fn port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-struct Proc {
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn start(args: &[&str], ready: &str) -> Proc {
-        let mut child = rdmx()
-            .args(args)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (err, l2) = (child.stderr.take().unwrap(), log.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                l2.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
-        let p = Proc { child, log };
-        p.wait_for(ready);
-        p
-    }
-
-    fn wait_for(&self, text: &str) {
-        let t = Instant::now();
-        while !self.log.lock().unwrap().contains(text) {
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "no {text:?} in:\n{}",
-                self.log.lock().unwrap()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
 }
 
 fn cli(port: u16, args: &[&str]) -> String {
@@ -79,22 +30,6 @@ fn cli(port: u16, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-fn scrape(port: u16) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-        .parse()
-        .unwrap()
-}
-
 #[test]
 #[cfg_attr(
     rdmx_missing_redis,
@@ -104,7 +39,7 @@ fn two_nodes_a_gateway_and_redis_cli() {
     let (n1, n2, gw, m1, mg) = (port(), port(), port(), port(), port());
     let u1 = format!("tcp://127.0.0.1:{n1}");
     let u2 = format!("rdma://127.0.0.1:{n2}");
-    let _a = Proc::start(
+    let _a = Spawned::start(
         &[
             "kv",
             "server",
@@ -117,14 +52,14 @@ fn two_nodes_a_gateway_and_redis_cli() {
         ],
         "bytes for items",
     );
-    let _b = Proc::start(
+    let _b = Spawned::start(
         &["kv", "server", "--listen", &u2, "--memory", "16m"],
         "bytes for items",
     );
     // The gateway starts with one node from a file, then gets both on SIGHUP.
     let file = std::env::temp_dir().join(format!("rdmx-kv-nodes-{}", std::process::id()));
     std::fs::write(&file, format!("# cache nodes\n{u1}\n")).unwrap();
-    let g = Proc::start(
+    let g = Spawned::start(
         &[
             "kv",
             "resp",
@@ -144,7 +79,7 @@ fn two_nodes_a_gateway_and_redis_cli() {
             "OK\n"
         );
     }
-    let node = scrape(m1);
+    let node = scrape(&format!("127.0.0.1:{m1}"));
     assert_eq!(metric(&node, "rdmx_kv_items"), 50.0, "{node}");
     std::fs::write(&file, format!("{u1}\n{u2}\n")).unwrap();
     let status = Command::new("kill")
@@ -153,7 +88,7 @@ fn two_nodes_a_gateway_and_redis_cli() {
         .unwrap();
     assert!(status.success());
     g.wait_for("nodes reloaded");
-    assert!(metric(&scrape(mg), "rdmx_kv_nodes_up") == 2.0);
+    assert!(metric(&scrape(&format!("127.0.0.1:{mg}")), "rdmx_kv_nodes_up") == 2.0);
     // About half the keys now belong to the new, empty node: misses, not errors.
     let mut hits = 0;
     for i in 0..50 {
@@ -169,7 +104,7 @@ fn two_nodes_a_gateway_and_redis_cli() {
         "{hits} of 50 stayed on the first node"
     );
     assert_eq!(cli(gw, &["incrby", "n", "5"]), "5\n");
-    let gwm = scrape(mg);
+    let gwm = scrape(&format!("127.0.0.1:{mg}"));
     assert!(
         metric(&gwm, "rdmx_kv_one_sided_hits_total") >= hits as f64,
         "{gwm}"

@@ -1,23 +1,12 @@
 //! `rdmx perf` as a user runs it: in loopback, and as two separate processes.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn rdmx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rdmx"))
-}
-
-fn free_port() -> u16 {
-    // Two consecutive free ports: rdmx on p, the raw baseline on p + 1.
-    loop {
-        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
+use common::{explain, free_port, rdmx};
 
 #[test]
 fn loopback_json_and_svg() {
@@ -405,16 +394,6 @@ fn doctor_reads_a_fake_sysfs_tree() {
         .iter()
         .any(|f| f["what"].as_str().unwrap().contains("out_of_sequence = 5")));
     let _ = std::fs::remove_dir_all(&root);
-}
-
-/// Status, stdout and stderr of a finished command, for assertion messages.
-fn explain(out: &std::process::Output) -> String {
-    format!(
-        "status {}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// A capture with no RoCEv2 packet verifies nothing: that fails unless

@@ -38,7 +38,12 @@ fn args() -> Args {
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < v.len() {
-        let next = || v.get(i + 1).expect("a value after the flag").parse::<u64>().expect("a number");
+        let next = || {
+            v.get(i + 1)
+                .expect("a value after the flag")
+                .parse::<u64>()
+                .expect("a number")
+        };
         match v[i].as_str() {
             "-c" => a.conns = next() as usize,
             "-d" => a.size = next() as usize,
@@ -57,33 +62,53 @@ fn args() -> Args {
 }
 
 /// Read one reply: `STORED` for a set; `VALUE … END` or `END` for a get.
-async fn reply(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>, line: &mut String) -> std::io::Result<()> {
+async fn reply(
+    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    line: &mut String,
+) -> std::io::Result<()> {
     line.clear();
     r.read_line(line).await?;
     if let Some(rest) = line.strip_prefix("VALUE ") {
-        let len: usize = rest.split_whitespace().nth(2).and_then(|n| n.parse().ok()).expect("VALUE length");
+        let len: usize = rest
+            .split_whitespace()
+            .nth(2)
+            .and_then(|n| n.parse().ok())
+            .expect("VALUE length");
         let mut skip = vec![0u8; len + 2];
         r.read_exact(&mut skip).await?;
         line.clear();
         r.read_line(line).await?;
         assert_eq!(line.trim_end(), "END");
     } else {
-        assert!(line.starts_with("STORED") || line.starts_with("END"), "unexpected reply {line:?}");
+        assert!(
+            line.starts_with("STORED") || line.starts_with("END"),
+            "unexpected reply {line:?}"
+        );
     }
     Ok(())
 }
 
 async fn test(a: &Args, set: bool) -> (f64, f64, f64) {
     let left = Arc::new(AtomicU64::new(a.requests));
-    let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("bounds")));
+    let hist = Arc::new(Mutex::new(
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("bounds"),
+    ));
     let value = vec![b'x'; a.size];
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..a.conns {
-        let (left, hist, value, addr, keys, depth) =
-            (left.clone(), hist.clone(), value.clone(), a.addr.clone(), a.keys, a.pipeline);
+        let (left, hist, value, addr, keys, depth) = (
+            left.clone(),
+            hist.clone(),
+            value.clone(),
+            a.addr.clone(),
+            a.keys,
+            a.pipeline,
+        );
         tasks.push(tokio::spawn(async move {
-            let s = TcpStream::connect(&addr).await.expect("connect to memcached");
+            let s = TcpStream::connect(&addr)
+                .await
+                .expect("connect to memcached");
             s.set_nodelay(true).expect("nodelay");
             let (r, mut w) = s.into_split();
             let mut r = BufReader::new(r);
@@ -91,7 +116,14 @@ async fn test(a: &Args, set: bool) -> (f64, f64, f64) {
             let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("bounds");
             let (mut req, mut line) = (Vec::new(), String::new());
             loop {
-                let n = (0..depth).take_while(|_| left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(1)).is_ok()).count();
+                let n = (0..depth)
+                    .take_while(|_| {
+                        left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                            l.checked_sub(1)
+                        })
+                        .is_ok()
+                    })
+                    .count();
                 if n == 0 {
                     break;
                 }
@@ -99,7 +131,9 @@ async fn test(a: &Args, set: bool) -> (f64, f64, f64) {
                 for _ in 0..n {
                     let k = rng.random_range(0..keys);
                     if set {
-                        req.extend_from_slice(format!("set key:{k:012} 0 0 {}\r\n", value.len()).as_bytes());
+                        req.extend_from_slice(
+                            format!("set key:{k:012} 0 0 {}\r\n", value.len()).as_bytes(),
+                        );
                         req.extend_from_slice(&value);
                         req.extend_from_slice(b"\r\n");
                     } else {

@@ -106,11 +106,19 @@ pub struct ClientCounters {
     pub nodes_back: AtomicU64,
 }
 
+/// Keys whose index entry a client remembers per node (then a GET hit is one
+/// read, of the item). Cleared whole when full.
+pub const POINTER_CACHE: usize = 1 << 18;
+
 struct Link {
     rpc: rdmx_rpc::Client,
     info: NodeInfo,
     /// Node clock minus ours, in milliseconds, measured at connect.
     offset_ms: i64,
+    /// Key → the entry that led to its item last time (FaRM/Pilaf-style
+    /// pointer cache). A stale pointer fails verification: the node clears
+    /// a freed slot's magic, and a reused slot holds another key or version.
+    pointers: parking_lot::Mutex<std::collections::HashMap<Bytes, Entry>>,
 }
 
 enum State {
@@ -305,8 +313,16 @@ impl Client {
         Ok(r.map(|(v, _)| Bytes::from(v.into_vec())))
     }
 
+    /// Whether an item's expiry has passed on the node's clock (estimated,
+    /// with [`SKEW_MARGIN_MS`] towards "expired").
+    fn expired(link: &Link, expiry_ms: u64) -> bool {
+        let node_now = (now_ms() as i64 + link.offset_ms) as u64;
+        expiry_ms != 0 && expiry_ms <= node_now.saturating_add(SKEW_MARGIN_MS)
+    }
+
     /// One-sided GET: `Ok(Some(answer))`, or `Ok(None)` when every retry
-    /// met a torn or moving item (ask by RPC then).
+    /// met a torn or moving item (ask by RPC then). A remembered pointer
+    /// makes a hit one read; otherwise the bucket, then the item.
     async fn read_one_sided(
         &self,
         link: &Link,
@@ -314,6 +330,17 @@ impl Client {
     ) -> rdmx_core::Result<Option<Option<Bytes>>> {
         let g = link.info.geometry;
         let conn: &Connection = link.rpc.connection();
+        let cached = link.pointers.lock().get(key).copied();
+        if let Some(e) = cached {
+            if let Ok(at) = g.arena.slice(e.offset, u64::from(e.len)) {
+                let item = conn.read(at).await?;
+                if let Ok((hd, vr)) = verify_item(&item, &e, key, g.seed) {
+                    let expired = Self::expired(link, hd.expiry_ms);
+                    return Ok(Some(if expired { None } else { Some(item.slice(vr)) }));
+                }
+            }
+            link.pointers.lock().remove(key);
+        }
         let h = key_hash(key, g.seed);
         let b = h & (g.buckets - 1);
         let tag = tag_of(h);
@@ -344,10 +371,13 @@ impl Client {
                 let item = conn.read(at).await?;
                 match verify_item(&item, &e, key, g.seed) {
                     Ok((hd, vr)) => {
-                        let node_now = (now_ms() as i64 + link.offset_ms) as u64;
-                        let expired = hd.expiry_ms != 0
-                            && hd.expiry_ms <= node_now.saturating_add(SKEW_MARGIN_MS);
+                        let expired = Self::expired(link, hd.expiry_ms);
                         answer = Some(if expired { None } else { Some(item.slice(vr)) });
+                        let mut p = link.pointers.lock();
+                        if p.len() >= POINTER_CACHE {
+                            p.clear();
+                        }
+                        p.insert(Bytes::copy_from_slice(key), e);
                         break;
                     }
                     // Another key with the same tag: keep looking.
@@ -532,6 +562,7 @@ async fn probe(inner: &Arc<Inner>, i: usize) {
             rpc,
             info,
             offset_ms,
+            pointers: parking_lot::Mutex::new(std::collections::HashMap::new()),
         })
     };
     let result = tokio::time::timeout(inner.cfg.options.connect_timeout, attempt)

@@ -14,6 +14,10 @@
 //!
 //! One-sided GETs do not run node code, so they do not set CLOCK's reference
 //! bit: recency here is what writes and RPC reads show (documented trade-off).
+//!
+//! A freed slot's magic is cleared when it is freed, right after the index
+//! stopped pointing at it, so a client reading through a cached pointer sees
+//! a superseded item only while the write that superseded it is in progress.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -314,7 +318,11 @@ impl Store {
         self.release(f.entry.offset, f.header.item_len() as u64);
     }
 
+    /// Free a slot whose item is no longer indexed. Its magic is cleared at
+    /// once, so a reader holding a cached pointer to it (see the client's
+    /// pointer cache) fails verification instead of reading a superseded value.
     fn release(&mut self, offset: u64, len: u64) {
+        self.arena.write()[offset as usize..offset as usize + 4].fill(0);
         *self.slot_flags(offset) = 0;
         let page = (offset / self.page) as usize;
         let class = self.page_class[page].expect("class page") as usize;
@@ -677,6 +685,8 @@ impl Store {
     /// Remove every item.
     pub fn flush(&mut self) {
         self.index.write().fill(0);
+        // Dead items everywhere: cached pointers must not find them.
+        self.arena.write().fill(0);
         for c in &mut self.classes {
             c.pages.clear();
             c.free.clear();

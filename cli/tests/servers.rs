@@ -202,3 +202,45 @@ fn soak_server_survives_bad_peers() {
     assert!(r.get("rdma").is_none(), "{r}");
     assert!(server.alive());
 }
+
+/// A soak whose server dies mid-run reports what it verified before failing.
+#[test]
+fn soak_reports_partial_progress_when_the_server_dies() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let server = Spawned::start(
+        &["soak", "server", "--listen", &addr, "--transport", "tcp"],
+        "rdmx soak server: tcp on",
+    );
+    let client = rdmx()
+        .args([
+            "soak",
+            "client",
+            &format!("tcp://{addr}"),
+            "--bytes",
+            "64g",
+            "--chunk",
+            "1m",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    drop(server);
+    let out = client.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", explain(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("FAILED after"))
+        .unwrap_or_else(|| panic!("{}", explain(&out)));
+    let bytes: u64 = line
+        .split("FAILED after ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(bytes >= 1 << 20, "{line}");
+    assert!(stdout.contains("error: "), "{}", explain(&out));
+}

@@ -194,10 +194,23 @@ impl tonic::transport::server::Connected for RdmxStream {
 }
 
 /// The connections of `listener` as the stream `serve_with_incoming` takes.
+/// A connection attempt that fails its handshake (a port scanner, a client
+/// of another transport, a wrong secret) is logged, counted
+/// (`accept_errors`) and skipped: tonic ends its server at the first error
+/// the stream yields, and one bad peer must not stop a server. The stream
+/// ends when the listener stops.
 pub fn incoming(listener: Listener) -> impl Stream<Item = io::Result<RdmxStream>> {
     futures_util::stream::unfold(listener, |mut l| async move {
-        let r = l.accept().await.map(RdmxStream::new).map_err(io_err);
-        Some((r, l))
+        loop {
+            match l.accept().await {
+                Ok(c) => return Some((Ok(RdmxStream::new(c)), l)),
+                Err(e) if e.is_listener_stopped() => return None,
+                Err(e) => {
+                    rdmx_core::stats::global().add(|s| &s.accept_errors, 1);
+                    tracing::warn!(error = %e, "tonic over rdmx: refused a connection; still accepting");
+                }
+            }
+        }
     })
 }
 

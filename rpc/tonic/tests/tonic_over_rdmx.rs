@@ -59,6 +59,21 @@ async fn run(t: &dyn Transport) {
             .add_service(EchoServer::new(Svc).max_decoding_message_size(64 << 20))
             .serve_with_incoming(incoming(listener)),
     );
+    // A peer that is no rdmx client (an HTTP probe): refused by the
+    // handshake; tonic keeps serving (incoming yields the error, tonic skips it).
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut junk = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        junk.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            junk.read_to_end(&mut sink),
+        )
+        .await;
+    }
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let transport = conn.transport().to_string();
     let mut client = EchoClient::new(channel(conn).await.unwrap())

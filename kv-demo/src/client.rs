@@ -535,7 +535,10 @@ impl Client {
 
 /// Rendezvous (highest random weight) score of a key for a node.
 fn score(key_hash: u64, node: u64) -> u64 {
-    xxh3_64(&[key_hash.to_le_bytes(), node.to_le_bytes()].concat())
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&key_hash.to_le_bytes());
+    b[8..].copy_from_slice(&node.to_le_bytes());
+    xxh3_64(&b)
 }
 
 /// Try to (re)connect node `i`: a fresh connection, the node's geometry and

@@ -336,8 +336,10 @@ kv = {(label, p): fn(f"{stem}_P{p}") for label, stem, fn in kv_systems for p in 
 if any(kv.values()):
     w("## KV cache: Redis clients against the rdmx gateway, redis-server and memcached\n")
     w("50 connections, 100-byte values, keys drawn from 100,000, SET then GET, P requests "
-      "pipelined per connection. The gateway adds a hop (client → gateway → node) and reads "
-      "with two one-sided reads per GET (bucket, item); all processes share this VM's two cores.\n")
+      "pipelined per connection. The gateway adds a hop (client → gateway → node); a GET is "
+      "one one-sided read when the gateway remembers the key's item, else two (bucket, item). "
+      "All processes share this VM's two cores. redis-benchmark's own CPU counts against "
+      "every system alike.\n")
     w(f"Commands: `{cmd('kv_gw_tcp_P1')}` (gateway; likewise `-P 16`, and for rdma:// nodes), "
       f"`{cmd('kv_redis_P1')}`, `{cmd('kv_memcached_P1')}`.\n")
     w("| system | P | SET ops/s | SET p50 ms | SET p99 ms | GET ops/s | GET p50 ms | GET p99 ms |")

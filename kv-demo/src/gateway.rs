@@ -565,10 +565,26 @@ fn command(args: &[Bytes]) -> Reply {
     }
 }
 
+/// CONFIG GET: the few parameters clients ask about (redis-benchmark reads
+/// `save` and `appendonly`), with this cache's values; others are absent,
+/// as Redis answers for a pattern that matches nothing.
 fn config(args: &[Bytes]) -> Reply {
+    const KNOWN: &[(&str, &str)] = &[("save", ""), ("appendonly", "no"), ("databases", "1")];
     let sub = args[1].to_ascii_lowercase();
     match sub.as_slice() {
-        b"get" if args.len() >= 3 => Reply::Array(Vec::new()),
+        b"get" if args.len() >= 3 => {
+            let mut out = Vec::new();
+            for (name, value) in KNOWN {
+                if args[2..]
+                    .iter()
+                    .any(|p| p.eq_ignore_ascii_case(name.as_bytes()))
+                {
+                    out.push(Reply::Bulk(Bytes::from_static(name.as_bytes())));
+                    out.push(Reply::Bulk(Bytes::from_static(value.as_bytes())));
+                }
+            }
+            Reply::Array(out)
+        }
         b"get" => Reply::err("wrong number of arguments for 'config|get' command"),
         _ => Reply::err(format!(
             "unknown subcommand '{}'. Try CONFIG HELP.",

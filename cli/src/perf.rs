@@ -185,14 +185,7 @@ fn plan(a: &PerfArgs) -> Result<Plan, Error> {
                 a.window
             ))
         })?;
-    for t in [&a.transport] {
-        if transports().get(t).is_none() {
-            return Err(Error::Unsupported(format!(
-                "transport {t:?} is not built into this rdmx (available: {:?})",
-                transports()
-            )));
-        }
-    }
+    check_transport(&a.transport)?;
     a.policy.parse::<rdmx_core::Policy>()?;
     Ok(Plan {
         ops,
@@ -319,13 +312,7 @@ pub(crate) async fn run(a: PerfArgs) -> Result<(), Error> {
     }
     match a.role.as_deref() {
         Some("server") => {
-            if transports().get(&a.transport).is_none() {
-                return Err(Error::Unsupported(format!(
-                    "transport {:?} is not built into this rdmx (available: {:?})",
-                    a.transport,
-                    transports()
-                )));
-            }
+            check_transport(&a.transport)?;
             let budget = Budget::new(parse_size(&a.max_memory)?);
             let opts = options(&a)?;
             if let Some(m) = &a.metrics {
@@ -374,6 +361,17 @@ pub(crate) async fn run(a: PerfArgs) -> Result<(), Error> {
             "use `rdmx perf server`, `rdmx perf client URL` or `rdmx perf --loopback`".into(),
         )),
     }
+}
+
+/// `name` must be a transport this binary has.
+fn check_transport(name: &str) -> Result<(), Error> {
+    let ts = transports();
+    if ts.get(name).is_none() {
+        return Err(Error::Unsupported(format!(
+            "transport {name:?} is not built into this rdmx (available: {ts:?})"
+        )));
+    }
+    Ok(())
 }
 
 fn capture_needs_rdma() -> Error {

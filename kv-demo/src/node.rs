@@ -243,121 +243,102 @@ fn keys(v: Vec<ByteBuf>) -> Vec<Vec<u8>> {
     v.into_iter().map(ByteBuf::into_vec).collect()
 }
 
+/// An RPC handler that runs `f` on the store, under its lock, at the node's
+/// current time. Every store operation is short and never waits, so the
+/// handler answers at once.
+fn on_store<Req, Resp>(
+    store: &Arc<Mutex<Store>>,
+    f: impl Fn(&mut Store, Req, u64) -> Result<Resp, String> + Send + Sync + 'static,
+) -> impl Fn(Req) -> std::future::Ready<Result<Resp, String>> + Send + Sync + 'static {
+    let store = store.clone();
+    move |req| std::future::ready(f(&mut store.lock(), req, now_ms()))
+}
+
 /// The node's RPC service over `store`.
 fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
-    let s = store;
-    let st = s.clone();
-    let info = move |()| {
-        let st = st.clone();
-        async move {
-            let s = st.lock();
-            Ok::<_, String>(NodeInfo {
-                geometry: s.geometry(),
-                now_ms: now_ms(),
-                epoch,
-                max_payload: s.max_payload() as u64,
-            })
-        }
-    };
-    let st = s.clone();
-    let get = move |key: ByteBuf| {
-        let st = st.clone();
-        async move {
-            let v = st.lock().get(&key, now_ms());
-            Ok::<_, String>(v.map(|(v, f)| (ByteBuf::from(v), f)))
-        }
-    };
-    let st = s.clone();
-    let set = move |r: SetReq| {
-        let st = st.clone();
-        async move {
-            let now = now_ms();
-            let (ok, old) = st
-                .lock()
-                .set(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
-                .map_err(|e| e.to_string())?;
-            Ok::<SetResp, String>((ok, old.map(ByteBuf::from)))
-        }
-    };
-    let st = s.clone();
-    let del = move |k: Vec<ByteBuf>| {
-        let st = st.clone();
-        async move { Ok::<_, String>(st.lock().del(&keys(k), now_ms())) }
-    };
-    let st = s.clone();
-    let exists = move |k: Vec<ByteBuf>| {
-        let st = st.clone();
-        async move { Ok::<_, String>(st.lock().exists(&keys(k), now_ms())) }
-    };
-    let st = s.clone();
-    let incr = move |(k, d): (ByteBuf, i64)| {
-        let st = st.clone();
-        async move { st.lock().incr(&k, d, now_ms()).map_err(|e| e.to_string()) }
-    };
-    let st = s.clone();
-    // Milliseconds from now; `None` removes the expiry; <= 0 deletes.
-    let expire = move |(k, ms): (ByteBuf, Option<i64>)| {
-        let st = st.clone();
-        async move {
-            let now = now_ms();
-            let at = ms.map(|ms| {
-                if ms <= 0 {
-                    now
-                } else {
-                    now.saturating_add(ms as u64)
-                }
-            });
-            Ok::<_, String>(st.lock().expire(&k, at, now))
-        }
-    };
-    let st = s.clone();
-    let pttl = move |k: ByteBuf| {
-        let st = st.clone();
-        async move { Ok::<_, String>(st.lock().pttl(&k, now_ms())) }
-    };
-    let st = s.clone();
-    let touch = move |k: Vec<ByteBuf>| {
-        let st = st.clone();
-        async move { Ok::<_, String>(st.lock().touch(&keys(k), now_ms())) }
-    };
-    let st = s.clone();
-    let flush = move |()| {
-        let st = st.clone();
-        async move {
-            st.lock().flush();
-            Ok::<_, String>(())
-        }
-    };
-    let st = s.clone();
-    let stats = move |()| {
-        let st = st.clone();
-        async move {
-            let s = st.lock();
-            let c = s.counters();
-            Ok::<_, String>(NodeStats {
-                cpu_seconds: process_cpu_seconds(),
-                items: s.items(),
-                rpc_gets: c.rpc_hits.load(Ordering::Relaxed) + c.rpc_misses.load(Ordering::Relaxed),
-                one_sided_reads: rdmx_core::stats::global().snapshot().remote_ops_served,
-            })
-        }
-    };
-    let st = s;
-    let dbsize = move |()| {
-        let st = st.clone();
-        async move { Ok::<_, String>(st.lock().items()) }
-    };
+    let s = &store;
     Service::new(SERVICE, VERSION)
-        .method("info", info)
-        .method("get", get)
-        .method("set", set)
-        .method("del", del)
-        .method("exists", exists)
-        .method("incr", incr)
-        .method("expire", expire)
-        .method("pttl", pttl)
-        .method("touch", touch)
-        .method("flush", flush)
-        .method("dbsize", dbsize)
-        .method("stats", stats)
+        .method(
+            "info",
+            on_store(s, move |st, (), now| {
+                Ok(NodeInfo {
+                    geometry: st.geometry(),
+                    now_ms: now,
+                    epoch,
+                    max_payload: st.max_payload() as u64,
+                })
+            }),
+        )
+        .method(
+            "get",
+            on_store(s, |st, key: ByteBuf, now| {
+                Ok(st.get(&key, now).map(|(v, f)| (ByteBuf::from(v), f)))
+            }),
+        )
+        .method(
+            "set",
+            on_store(s, |st, r: SetReq, now| {
+                let (ok, old) = st
+                    .set(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
+                    .map_err(|e| e.to_string())?;
+                Ok::<SetResp, _>((ok, old.map(ByteBuf::from)))
+            }),
+        )
+        .method(
+            "del",
+            on_store(s, |st, k: Vec<ByteBuf>, now| Ok(st.del(&keys(k), now))),
+        )
+        .method(
+            "exists",
+            on_store(s, |st, k: Vec<ByteBuf>, now| Ok(st.exists(&keys(k), now))),
+        )
+        .method(
+            "incr",
+            on_store(s, |st, (k, d): (ByteBuf, i64), now| {
+                st.incr(&k, d, now).map_err(|e| e.to_string())
+            }),
+        )
+        .method(
+            "expire",
+            // Milliseconds from now; `None` removes the expiry; <= 0 deletes.
+            on_store(s, |st, (k, ms): (ByteBuf, Option<i64>), now| {
+                let at = ms.map(|ms| {
+                    if ms <= 0 {
+                        now
+                    } else {
+                        now.saturating_add(ms as u64)
+                    }
+                });
+                Ok(st.expire(&k, at, now))
+            }),
+        )
+        .method(
+            "pttl",
+            on_store(s, |st, k: ByteBuf, now| Ok(st.pttl(&k, now))),
+        )
+        .method(
+            "touch",
+            on_store(s, |st, k: Vec<ByteBuf>, now| Ok(st.touch(&keys(k), now))),
+        )
+        .method(
+            "flush",
+            on_store(s, |st, (), _| {
+                st.flush();
+                Ok(())
+            }),
+        )
+        .method("dbsize", on_store(s, |st, (), _| Ok(st.items())))
+        .method(
+            "stats",
+            on_store(s, |st, (), _| {
+                let c = st.counters();
+                Ok(NodeStats {
+                    cpu_seconds: process_cpu_seconds(),
+                    items: st.items(),
+                    rpc_gets: c.rpc_hits.load(Ordering::Relaxed)
+                        + c.rpc_misses.load(Ordering::Relaxed),
+                    one_sided_reads: rdmx_core::stats::global().snapshot().remote_ops_served,
+                })
+            }),
+        )
 }

@@ -1307,6 +1307,13 @@ impl RawConnection for RdmaConnection {
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>> {
         let sh = self.sh.clone();
         Box::pin(async move {
+            // An atomic's address must be 8-byte aligned (IBTA 9.4.5; the
+            // responder NAKs it as an invalid request). Some verbs stacks
+            // refuse to post it at all (rxe: EINVAL), so tell it here, the
+            // same way on every provider, without a round trip.
+            if dst.addr % 8 != 0 {
+                return Err(Error::RemoteAccess(AccessError::Misaligned));
+            }
             let op = match op {
                 AtomicOp::CompareAndSwap { expected, new } => SendOp::CompareSwap {
                     dst,

@@ -400,6 +400,7 @@ impl ProtectionDomain for HwPd {
             opts,
             max_inline,
             prov: self.ctx_provider.clone(),
+            early_recvs: Mutex::new(Some(Vec::new())),
         }))
     }
 }
@@ -578,6 +579,12 @@ struct HwQp {
     /// Inline bytes this QP takes (0 if the device refused inline data).
     max_inline: u32,
     prov: ProviderRef,
+    /// Receives asked for while the QP is still in RESET, posted when it
+    /// reaches INIT (`None` from then on). A QP in RESET refuses receives
+    /// (IBTA C10-97.2.1; rxe answers EINVAL), but rdmx posts its receive
+    /// credits before the bootstrap exchange, so that no SEND can arrive
+    /// before they are there.
+    early_recvs: Mutex<Option<Vec<(u64, usize)>>>,
 }
 
 // SAFETY: the sideway QP is only touched under the mutex; libibverbs QPs
@@ -598,6 +605,29 @@ impl HwQp {
                 self.prov.name, self.qpn
             ))
         })
+    }
+
+    /// Post one receive of up to `max_len` bytes now (the QP is past RESET).
+    fn post_recv_now(&self, wr_id: u64, max_len: usize) -> Result<()> {
+        let cap = receive_cap(max_len)?;
+        let slot = self.pool.take(max_len.max(1))?;
+        let (lkey, addr) = (slot.lkey(), slot.addr());
+        let mut g = self.qp.lock();
+        let qp = g
+            .as_mut()
+            .ok_or_else(|| Error::Disconnected("QP destroyed".into()))?;
+        let mut t = self.track.lock();
+        let id = t.recvs.push(wr_id, slot);
+        let mut guard = qp.start_post_recv();
+        let h = guard.construct_wr(id | RECV_TAG);
+        // SAFETY: the slot is registered and stays in the registry until this
+        // receive completes or the QP is destroyed.
+        unsafe { h.setup_sge(lkey, addr, cap) };
+        if let Err(e) = guard.post() {
+            t.recvs.complete(id);
+            return Err(Error::ResourceExhausted(format!("ibv_post_recv: {e}")));
+        }
+        Ok(())
     }
 
     /// Buffer and inline decision for one request.
@@ -639,6 +669,15 @@ fn attach_data<B: SetInlineData + SetScatterGatherEntry>(
     }
 }
 
+/// A receive length as a work request takes it.
+fn receive_cap(max_len: usize) -> Result<u32> {
+    u32::try_from(max_len).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "receive of {max_len} bytes: NICs take at most 4 GiB"
+        ))
+    })
+}
+
 fn mtu_enum(code: u32) -> Mtu {
     Mtu::from(code)
 }
@@ -662,6 +701,12 @@ impl QueuePair for HwQp {
             .setup_port(p.init.port)
             .setup_access_flags(AccessFlags::from(p.init.access as i32));
         self.modify(&init, "RESET -> INIT")?;
+        // Now the receive queue takes work requests: post those asked for
+        // in RESET, still before RTR, so they are there for the first SEND.
+        let early = self.early_recvs.lock().take().unwrap_or_default();
+        for (wr_id, max_len) in early {
+            self.post_recv_now(wr_id, max_len)?;
+        }
         let mut ah = AddressHandleAttribute::new();
         ah.setup_dest_lid(0).setup_port(p.rtr.port).setup_grh(
             &Gid::from(Ipv6Addr::from(p.rtr.dgid)),
@@ -792,29 +837,14 @@ impl QueuePair for HwQp {
     }
 
     fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()> {
-        let cap = u32::try_from(max_len).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "receive of {max_len} bytes: NICs take at most 4 GiB"
-            ))
-        })?;
-        let slot = self.pool.take(max_len.max(1))?;
-        let (lkey, addr) = (slot.lkey(), slot.addr());
-        let mut g = self.qp.lock();
-        let qp = g
-            .as_mut()
-            .ok_or_else(|| Error::Disconnected("QP destroyed".into()))?;
-        let mut t = self.track.lock();
-        let id = t.recvs.push(wr_id, slot);
-        let mut guard = qp.start_post_recv();
-        let h = guard.construct_wr(id | RECV_TAG);
-        // SAFETY: the slot is registered and stays in the registry until this
-        // receive completes or the QP is destroyed.
-        unsafe { h.setup_sge(lkey, addr, cap) };
-        if let Err(e) = guard.post() {
-            t.recvs.complete(id);
-            return Err(Error::ResourceExhausted(format!("ibv_post_recv: {e}")));
+        let mut early = self.early_recvs.lock();
+        if let Some(list) = early.as_mut() {
+            receive_cap(max_len)?;
+            list.push((wr_id, max_len));
+            return Ok(());
         }
-        Ok(())
+        drop(early);
+        self.post_recv_now(wr_id, max_len)
     }
 
     fn state(&self) -> QpState {

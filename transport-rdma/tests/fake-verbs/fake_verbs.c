@@ -316,6 +316,12 @@ static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_
 		for (int i = 0; i < wr->num_sge; i++)
 			len += wr->sg_list[i].length;
 		int inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
+		/* rxe's provider refuses a misaligned atomic when it is posted. */
+		if (is_atomic(op) && (wr->wr.atomic.remote_addr & 7)) {
+			*bad = wr;
+			pthread_mutex_unlock(&big);
+			return EINVAL;
+		}
 		if (inl && len > q->max_inline) {
 			*bad = wr;
 			pthread_mutex_unlock(&big);
@@ -395,6 +401,13 @@ static int fake_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_
 {
 	struct fqp *q = (struct fqp *)qp;
 	pthread_mutex_lock(&big);
+	/* A QP in RESET takes no receives (IBTA C10-97.2.1): rxe's provider
+	 * fails the call with EINVAL, as here. */
+	if (q->qp.state == IBV_QPS_RESET) {
+		*bad = wr;
+		pthread_mutex_unlock(&big);
+		return EINVAL;
+	}
 	for (; wr; wr = wr->next) {
 		if (wr->num_sge != 1 || !local_ok(wr->sg_list[0].lkey, wr->sg_list[0].addr,
 						  wr->sg_list[0].length, IBV_ACCESS_LOCAL_WRITE)) {

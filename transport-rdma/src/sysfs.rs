@@ -43,7 +43,10 @@ pub struct Port {
     pub state: String,
     /// `link_layer`: "Ethernet" for RoCE, "InfiniBand" for IB.
     pub link_layer: String,
-    /// Active MTU in bytes (256..=4096).
+    /// Active MTU in bytes (256..=4096): the `active_mtu` file where a tree
+    /// has one; the kernel's has none, so it is derived from the MTU of the
+    /// port's net device as RoCE drivers do ([`roce_mtu`]). The NIC provider
+    /// asks the device itself (`ibv_query_port`).
     pub active_mtu: Option<u32>,
     /// Valid (non-zero) GIDs.
     pub gids: Vec<Gid>,
@@ -86,6 +89,16 @@ pub fn parse_gid(s: &str) -> Option<Ipv6Addr> {
 pub fn parse_mtu(s: &str) -> Option<u32> {
     let n: u32 = s.split_whitespace().next()?.parse().ok()?;
     matches!(n, 256 | 512 | 1024 | 2048 | 4096).then_some(n)
+}
+
+/// The RoCE MTU an Ethernet MTU allows: the largest IB MTU (256..4096) that
+/// fits with 80 bytes of RoCEv2 headers (rxe's `RXE_MAX_HDR_LENGTH`; 1500 →
+/// 1024, 4200 → 4096). `None` below 336.
+pub fn roce_mtu(ethernet_mtu: u32) -> Option<u32> {
+    let room = ethernet_mtu.checked_sub(80)?;
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|&m| m <= room)
 }
 
 fn sorted_dir(p: &Path) -> Vec<PathBuf> {
@@ -160,7 +173,14 @@ pub fn devices(root: &Path) -> Vec<Device> {
                 num,
                 state: read(&p.join("state")).unwrap_or_default(),
                 link_layer: read(&p.join("link_layer")).unwrap_or_default(),
-                active_mtu: read(&p.join("active_mtu")).as_deref().and_then(parse_mtu),
+                active_mtu: read(&p.join("active_mtu"))
+                    .as_deref()
+                    .and_then(parse_mtu)
+                    .or_else(|| {
+                        let dev = gids.iter().find_map(|g| g.netdev.as_deref())?;
+                        let mtu = read(&root.join(format!("class/net/{dev}/mtu")))?;
+                        roce_mtu(mtu.parse().ok()?)
+                    }),
                 gids,
                 counters: c,
             });
@@ -243,7 +263,8 @@ pub mod fake {
     /// A GID entry for [`port`]: (index, sysfs GID text, type text, netdev).
     pub type FakeGid<'a> = (u32, &'a str, &'a str, &'a str);
 
-    /// Create `<root>/class/infiniband/<dev>/ports/<num>` with the given files.
+    /// Create `<root>/class/infiniband/<dev>/ports/<num>` with the given files
+    /// (`mtu` empty: no `active_mtu` file, as in the kernel's sysfs).
     pub fn port(
         root: &Path,
         dev: &str,
@@ -265,7 +286,11 @@ pub mod fake {
         }
         fs::write(p.join("state"), format!("{state}\n")).unwrap();
         fs::write(p.join("link_layer"), format!("{link}\n")).unwrap();
-        fs::write(p.join("active_mtu"), format!("{mtu}\n")).unwrap();
+        // Linux has no such file (the MTU comes from ibv_query_port); an
+        // empty `mtu` leaves it out, as on a real host.
+        if !mtu.is_empty() {
+            fs::write(p.join("active_mtu"), format!("{mtu}\n")).unwrap();
+        }
         for (i, gid, kind, ndev) in gids {
             fs::write(p.join(format!("gids/{i}")), format!("{gid}\n")).unwrap();
             fs::write(p.join(format!("gid_attrs/types/{i}")), format!("{kind}\n")).unwrap();
@@ -301,6 +326,17 @@ mod tests {
     const V6: &str = "2001:0002:0000:0000:0000:0000:0000:0001"; // 2001:2::1
 
     #[test]
+    fn roce_mtu_as_the_kernel_derives_it() {
+        assert_eq!(roce_mtu(1500), Some(1024));
+        assert_eq!(roce_mtu(4200), Some(4096));
+        assert_eq!(roce_mtu(9000), Some(4096));
+        assert_eq!(roce_mtu(2100), Some(1024));
+        assert_eq!(roce_mtu(2128), Some(2048));
+        assert_eq!(roce_mtu(335), None);
+        assert_eq!(roce_mtu(336), Some(256));
+    }
+
+    #[test]
     fn parses_gids_and_mtus() {
         assert_eq!(
             parse_gid(V4).map(|a| IpAddr::V6(a).to_canonical()),
@@ -318,6 +354,27 @@ mod tests {
         assert!(devices(&root).is_empty());
         assert!(devices(&root.join("missing")).is_empty());
         assert_eq!(choose_gid(&[], "198.18.0.1".parse().unwrap()), None);
+    }
+
+    /// As on Linux: no `active_mtu` file, the net device's MTU says it.
+    #[test]
+    fn active_mtu_from_the_net_device() {
+        let root = tmp("netmtu");
+        port(
+            &root,
+            "rxe0",
+            1,
+            "4: ACTIVE",
+            "Ethernet",
+            "",
+            &[(1, V4, "RoCE v2", "eth0")],
+        );
+        assert_eq!(devices(&root)[0].ports[0].active_mtu, None);
+        fs::create_dir_all(root.join("class/net/eth0")).unwrap();
+        fs::write(root.join("class/net/eth0/mtu"), "1500\n").unwrap();
+        assert_eq!(devices(&root)[0].ports[0].active_mtu, Some(1024));
+        fs::write(root.join("class/net/eth0/mtu"), "9000\n").unwrap();
+        assert_eq!(devices(&root)[0].ports[0].active_mtu, Some(4096));
     }
 
     /// Two devices, mixed v1/v2, IPv4 and IPv6, a down port, an IB port: the

@@ -26,6 +26,22 @@ fn suite() -> Suite {
     )
 }
 
+/// The path MTU is the port's active MTU as the device reports it (sysfs
+/// has none): `RDMX_TEST_EXPECT_MTU` says what it must be (rxe on a 1500-byte
+/// Ethernet: 1024; the fake libibverbs: 2048).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR and RDMX_TEST_EXPECT_MTU, run with --ignored"]
+async fn path_mtu_is_the_ports_active_mtu() {
+    let want = std::env::var("RDMX_TEST_EXPECT_MTU").expect("set RDMX_TEST_EXPECT_MTU");
+    let p = suite().pair().await;
+    let info = p.client.info();
+    assert!(
+        info.provider.contains(&format!(", MTU {want},")),
+        "expected MTU {want}: {}",
+        info.provider
+    );
+}
+
 rdmx_conformance::conformance_tests!(
     suite(),
     ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"
@@ -75,7 +91,7 @@ fn conformance_on_a_fake_libibverbs() {
         1,
         "4: ACTIVE",
         "Ethernet",
-        "4096 (5)",
+        "", // like the kernel's: the MTU comes from ibv_query_port
         &[
             (
                 0,
@@ -95,6 +111,7 @@ fn conformance_on_a_fake_libibverbs() {
         .args(["--ignored", "--test-threads=2"])
         .env("LD_LIBRARY_PATH", &dir)
         .env("RDMX_TEST_RDMA_ADDR", "127.0.0.1")
+        .env("RDMX_TEST_EXPECT_MTU", "2048")
         .env("RDMX_RDMA_DEVICE", "fake0")
         .env("RDMX_SYSFS_ROOT", &sys)
         .output()
@@ -103,7 +120,7 @@ fn conformance_on_a_fake_libibverbs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
-        out.status.success() && stdout.contains("test result: ok. 12 passed"),
+        out.status.success() && stdout.contains("test result: ok. 13 passed"),
         "conformance on the fake libibverbs failed:\n{stdout}\n{stderr}"
     );
 }

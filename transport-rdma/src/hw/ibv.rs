@@ -186,10 +186,20 @@ impl Provider for HwProvider {
 
     fn port_for(&self, local_ip: IpAddr, _peer_ip: IpAddr) -> Result<PortInfo> {
         let (_, choice) = self.local_port(local_ip)?;
+        // The kernel's sysfs has no active MTU (ibv_devinfo asks the device,
+        // as here); sysfs only has one in test trees.
+        let mtu = self
+            .ctx
+            .query_port(choice.port as u8)
+            .ok()
+            .map(|a| 128u32 << (a.active_mtu() as u32))
+            .filter(|m| (256..=4096).contains(m))
+            .or(choice.mtu)
+            .unwrap_or(1024);
         Ok(PortInfo {
             gid: choice.addr,
             udp_port: plan::ROCEV2_PORT,
-            mtu: choice.mtu.unwrap_or(1024),
+            mtu,
         })
     }
 

@@ -689,6 +689,63 @@ impl std::ops::Deref for IpHeader {
     }
 }
 
+/// Where the GSO run starting at `segs[i]` ends (exclusive): datagrams of
+/// equal size, and one shorter last one (what `UDP_SEGMENT` sends in one call).
+fn gso_run_end(segs: &[usize], i: usize) -> usize {
+    let size = segs[i];
+    let mut j = i + 1;
+    while j < segs.len() && segs[j] == size {
+        j += 1;
+    }
+    if j < segs.len() && segs[j] < size {
+        j += 1;
+    }
+    j
+}
+
+/// The IPv4 Identification Linux gives each datagram of a batch sent from an
+/// unconnected UDP socket with DF (`IP_PMTUDISC_PROBE` or `_DO`): 0 for a
+/// datagram sent alone, and 0, 1, 2… for the segments of one GSO send
+/// (`ip_select_ident_segs`, then `inet_gso_segment` numbering the segments).
+/// Knowing it before sending, the ICRC over it is exact with no raw socket.
+/// The runs follow [`gso_run_end`].
+#[derive(Debug, Default)]
+struct GsoRun {
+    /// Size of the run's datagrams (0: no run yet).
+    size: usize,
+    /// Datagrams in the run so far.
+    count: u16,
+    /// A shorter datagram ended the run.
+    closed: bool,
+}
+
+impl GsoRun {
+    /// The Identification of the next datagram, of `size` bytes.
+    fn next_id(&mut self, size: usize) -> u16 {
+        let joins = self.count > 0 && !self.closed && size <= self.size;
+        if !joins {
+            *self = GsoRun {
+                size,
+                count: 0,
+                closed: false,
+            };
+        }
+        self.closed = size < self.size;
+        let id = self.count;
+        self.count += 1;
+        id
+    }
+}
+
+/// Recompute the ICRC at the end of RoCEv2 UDP payload `d` for IPv4
+/// Identification `id`.
+fn reseal_icrc(d: &mut [u8], src: SocketAddr, dst: SocketAddr, id: u16) {
+    let n = d.len() - 4;
+    let (ip, udp) = headers(src, dst, 8 + d.len(), id);
+    let crc = icrc::compute(&ip, &udp, &d[..n]);
+    d[n..].copy_from_slice(&crc.to_le_bytes());
+}
+
 /// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`, its ICRC
 /// computed for an IPv4 Identification of `id`.
 fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, id: u16, out: &mut Vec<u8>) {
@@ -840,12 +897,19 @@ impl SoftQp {
         let max_segs = tx.state.max_gso_segments().clamp(1, 64);
         inner.out.clear();
         inner.segs.clear();
+        let mut run = GsoRun::default();
         loop {
             let pkt = inner.qp.poll_transmit(now);
             if let Some(p) = &pkt {
                 let start = inner.out.len();
-                encode(p, tx.local, peer.addr, 0, &mut inner.out);
-                inner.segs.push(inner.out.len() - start);
+                p.encode(&mut inner.out);
+                let size = inner.out.len() - start + 4;
+                // The Identification the kernel will give this datagram.
+                let id = run.next_id(size);
+                let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
+                let crc = icrc::compute(&ip, &udp, &inner.out[start..]);
+                inner.out.extend_from_slice(&crc.to_le_bytes());
+                inner.segs.push(size);
                 if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
                     self.dev.record(tx.local, peer.addr, p, ecn);
@@ -858,6 +922,7 @@ impl SoftQp {
                 }
                 inner.out.clear();
                 inner.segs.clear();
+                run = GsoRun::default();
             }
             if pkt.is_none() {
                 return;
@@ -873,15 +938,8 @@ impl SoftQp {
         let mut i = 0;
         let segs = std::mem::take(&mut inner.segs);
         while i < segs.len() {
-            // A GSO run: equal sizes, the last one may be shorter.
             let size = segs[i];
-            let mut j = i + 1;
-            while j < segs.len() && segs[j] == size {
-                j += 1;
-            }
-            if j < segs.len() && segs[j] < size {
-                j += 1;
-            }
+            let j = gso_run_end(&segs, i);
             let len: usize = segs[i..j].iter().sum();
             let contents = &inner.out[off..off + len];
             let t = Transmit {
@@ -900,14 +958,22 @@ impl SoftQp {
                 Err(_) => {
                     // Socket buffer full: keep the rest, in order, for when it drains.
                     self.dev.counters.tx_blocked.fetch_add(1, Ordering::Relaxed);
+                    // Each goes alone later, so with Identification 0: those
+                    // that were not first in their run get their ICRC again.
                     let mut k = i;
                     let mut o = off;
+                    let mut run_start = i;
                     while k < segs.len() {
-                        inner
-                            .backlog
-                            .push_back((inner.out[o..o + segs[k]].to_vec(), segs[k]));
+                        let mut d = inner.out[o..o + segs[k]].to_vec();
+                        if k > run_start {
+                            reseal_icrc(&mut d, tx.local, dst, 0);
+                        }
+                        inner.backlog.push_back((d, segs[k]));
                         o += segs[k];
                         k += 1;
+                        if k == gso_run_end(&segs, run_start) {
+                            run_start = k;
+                        }
                     }
                     inner.segs = segs;
                     self.spawn_flusher(inner);
@@ -1327,5 +1393,67 @@ async fn timer_loop(d: Arc<Device>) {
             _ = wait => {}
             _ = d.timer.notified() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Identifications the ICRCs are computed with are those the kernel
+    /// gives: the index of each datagram in the GSO send that carries it.
+    #[test]
+    fn gso_ids_follow_the_runs_send_batch_makes() {
+        let mut seed = 0x9e37_79b9_u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..2000 {
+            let n = 1 + (next() % 40) as usize;
+            // Few distinct sizes, so that runs, shorter tails and restarts all occur.
+            let segs: Vec<usize> = (0..n)
+                .map(|_| [1100, 1100, 1100, 60, 300, 1100][(next() % 6) as usize])
+                .collect();
+            let mut run = GsoRun::default();
+            let ids: Vec<u16> = segs.iter().map(|&s| run.next_id(s)).collect();
+            let mut want = Vec::new();
+            let mut i = 0;
+            while i < segs.len() {
+                let j = gso_run_end(&segs, i);
+                want.extend((0..(j - i) as u16).collect::<Vec<_>>());
+                i = j;
+            }
+            assert_eq!(ids, want, "sizes {segs:?}");
+        }
+        // The plain cases, spelled out.
+        let ids = |s: &[usize]| {
+            let mut r = GsoRun::default();
+            s.iter().map(|&x| r.next_id(x)).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&[1100, 1100, 1100]), [0, 1, 2]);
+        assert_eq!(ids(&[1100, 1100, 60, 1100]), [0, 1, 2, 0]);
+        assert_eq!(ids(&[60, 1100, 1100]), [0, 0, 1]);
+        assert_eq!(ids(&[1100, 60, 60]), [0, 1, 0]);
+    }
+
+    #[test]
+    fn resealed_icrc_is_the_one_for_that_identification() {
+        let src: SocketAddr = "198.18.0.1:50000".parse().unwrap();
+        let dst: SocketAddr = "198.18.0.2:4791".parse().unwrap();
+        let body: Vec<u8> = (0..64u8).collect();
+        let seal = |id: u16| {
+            let mut d = body.clone();
+            let (ip, udp) = headers(src, dst, 8 + d.len() + 4, id);
+            let crc = icrc::compute(&ip, &udp, &d);
+            d.extend_from_slice(&crc.to_le_bytes());
+            d
+        };
+        let mut d = seal(3);
+        assert_ne!(d, seal(0));
+        reseal_icrc(&mut d, src, dst, 0);
+        assert_eq!(d, seal(0));
     }
 }

@@ -102,7 +102,7 @@ pub(crate) struct PerfArgs {
 }
 
 /// One region per connection is lent at most this much.
-const MAX_REGION: u64 = 1 << 30;
+pub(crate) const MAX_REGION: u64 = 1 << 30;
 
 /// An operation `rdmx perf` measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -451,6 +451,7 @@ pub(crate) async fn lend_region(
     conn: &Connection,
     budget: &Budget,
     what: &str,
+    max_region: u64,
 ) -> Result<Option<(rdmx_core::MemoryRegion, Lent)>, Error> {
     let want = conn.recv_message().await?;
     let size = u64::from_le_bytes(want[..].try_into().map_err(|_| {
@@ -459,7 +460,7 @@ pub(crate) async fn lend_region(
             want.len()
         ))
     })?);
-    match budget.take(size, MAX_REGION) {
+    match budget.take(size, max_region) {
         Ok(lent) => {
             let mr = conn.domain().register(size as usize, Access::ALL);
             conn.send_region(&mr).await?;
@@ -489,7 +490,7 @@ pub(crate) async fn borrow_region(conn: &Connection, len: u64) -> Result<RemoteR
 }
 
 async fn serve_conn(conn: Connection, budget: Budget) -> Result<(), Error> {
-    let Some((_mr, _lent)) = lend_region(&conn, &budget, "perf").await? else {
+    let Some((_mr, _lent)) = lend_region(&conn, &budget, "perf", MAX_REGION).await? else {
         return Ok(());
     };
     loop {

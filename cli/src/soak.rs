@@ -1,7 +1,10 @@
 //! `rdmx soak`: a data-integrity run over a path. The client moves a mix of
-//! writes, reads and sends (256 MiB by default) and checks every byte by
-//! SHA-256; it reports goodput and the protocol counters (retransmits, NAKs,
-//! CNPs), so the same command measures a lossy or congested path.
+//! writes read back, writes with immediate (the server hashes what landed),
+//! sends (the server hashes each) and atomics (fetch-and-add and
+//! compare-and-swap, whose returned values the client predicts), 256 MiB by
+//! default, and checks every byte by SHA-256; it reports the provider it ran
+//! on, goodput and the protocol counters (retransmits, NAKs, CNPs), so the
+//! same command measures a lossy or congested path.
 //!
 //! ```text
 //! rdmx soak server --listen 198.18.0.2:7500 --transport rdma
@@ -12,7 +15,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use rdmx_core::Incoming;
 use rdmx_core::{Connection, Error, Options, Transports};
+use rdmx_transport_rdma::verbs::{Provider as _, ProviderKind};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 use serde::Serialize;
 
@@ -45,8 +50,9 @@ pub(crate) struct SoakArgs {
     /// Server: serve Prometheus metrics (GET /metrics) on this address.
     #[arg(long)]
     metrics: Option<String>,
-    /// Soft RoCE: use go-back-N instead of selective repeat (what NICs speak;
-    /// one end asking is enough).
+    /// Use a soft RoCE engine of this process in go-back-N mode instead of
+    /// the provider the environment picks (go-back-N is what NICs speak; one
+    /// end asking is enough).
     #[arg(long)]
     go_back_n: bool,
     /// Print one JSON object.
@@ -123,25 +129,35 @@ impl SoakReport {
     }
 }
 
-/// The transports; a soft RoCE device only if this run uses RDMA (so a TCP
-/// soak never takes UDP 4791 from an RDMA one on the same host).
+/// The transports. RDMA takes the provider the environment picks, as perf
+/// does: a NIC when the `hw` feature is built in and one opens, else the soft
+/// engine (`RDMX_RDMA_PROVIDER=soft|hw` forces one); `--go-back-n` asks for a
+/// soft engine of its own in go-back-N mode. The soft device is returned too
+/// (for its CE counter), and only made if this run uses RDMA, so a TCP soak
+/// never takes UDP 4791 from an RDMA one on the same host.
 fn transports(go_back_n: bool, rdma: bool) -> Result<(Transports, Option<Arc<SoftRoce>>), Error> {
     let ts = Transports::new().with(rdmx_transport_tcp::TcpTransport::new());
     if !rdma {
         return Ok((ts, None));
     }
-    let dev = if go_back_n {
-        Arc::new(SoftRoce::new(SoftConfig {
+    if go_back_n {
+        let dev = Arc::new(SoftRoce::new(SoftConfig {
             selective_repeat: false,
             ..SoftConfig::default()
-        })?)
-    } else {
-        SoftRoce::global()?
+        })?);
+        return Ok((
+            ts.with(RdmaTransport::with_provider(dev.clone())),
+            Some(dev),
+        ));
+    }
+    let rdma = RdmaTransport::new();
+    let provider = rdma.provider()?;
+    tracing::info!(provider = %provider.device_name(), "soak: RDMA provider");
+    let dev = match provider.kind() {
+        ProviderKind::Soft => Some(SoftRoce::global()?),
+        ProviderKind::Hardware => None,
     };
-    Ok((
-        ts.with(RdmaTransport::with_provider(dev.clone())),
-        Some(dev),
-    ))
+    Ok((ts.with(rdma), dev))
 }
 
 /// Deterministic test data for operation `i`.
@@ -185,7 +201,19 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
             let l = ts
                 .listen(&format!("{}://{}", a.transport, a.listen), &opts)
                 .await?;
-            eprintln!("rdmx soak server: {} on {}", l.transport(), l.local_addr());
+            let provider = match (l.transport(), &dev) {
+                ("rdma", Some(d)) => format!(" (provider {})", d.device_name()),
+                ("rdma", None) => format!(
+                    " (provider {})",
+                    RdmaTransport::new().provider()?.device_name()
+                ),
+                _ => String::new(),
+            };
+            eprintln!(
+                "rdmx soak server: {} on {}{provider}",
+                l.transport(),
+                l.local_addr()
+            );
             l.serve("rdmx soak", move |conn| serve(conn, budget.clone()))
                 .await;
             Ok(())
@@ -213,14 +241,34 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
     }
 }
 
-/// Server: lend the client a region; answer each message with its SHA-256.
+/// Bytes after the slots for the atomics: a fetch-and-add word, then a
+/// compare-and-swap word (8-aligned: the slots fill a multiple of 8).
+const ATOMIC_WORDS: u64 = 16;
+
+/// Server: lend the client a region of [`SLOTS`] slots and the atomic words;
+/// answer each message with its SHA-256, and each write-with-immediate with
+/// the SHA-256 of the slot it names (the immediate) as it now is.
 async fn serve(conn: Connection, budget: Budget) -> Result<(), Error> {
-    let Some((_mr, _lent)) = lend_region(&conn, &budget, "soak").await? else {
+    let Some((mr, _lent)) =
+        lend_region(&conn, &budget, "soak", SLOTS * MAX_CHUNK + ATOMIC_WORDS).await?
+    else {
         return Ok(());
     };
+    let slot = (mr.len() as u64).saturating_sub(ATOMIC_WORDS) / SLOTS;
     loop {
-        let m = conn.recv_message().await?;
-        let digest: [u8; 32] = Sha256::digest(&m).into();
+        let digest: [u8; 32] = match conn.recv().await? {
+            Incoming::Message(m) => Sha256::digest(&m).into(),
+            Incoming::WriteImm { imm, len } => {
+                let at = u64::from(imm) * slot;
+                if u64::from(imm) >= SLOTS || len > slot {
+                    return Err(Error::Protocol(format!(
+                        "write-with-immediate {imm} of {len} bytes names no slot (of {slot} bytes)"
+                    )));
+                }
+                let g = mr.read();
+                Sha256::digest(&g[at as usize..(at + len) as usize]).into()
+            }
+        };
         conn.send(digest.to_vec()).await?;
     }
 }
@@ -235,7 +283,7 @@ struct Progress {
 /// Client: writes, reads back and sends `total` bytes in `chunk`s, checking
 /// all. A failure mid-run is reported with what was verified before it.
 async fn client(conn: &Connection, total: u64, chunk: u64) -> Result<SoakReport, Error> {
-    let region = borrow_region(conn, chunk * SLOTS).await?;
+    let region = borrow_region(conn, chunk * SLOTS + ATOMIC_WORDS).await?;
     let before = conn.stats();
     let t0 = Instant::now();
     let mut p = Progress::default();
@@ -271,21 +319,22 @@ async fn run_mix(
     p: &mut Progress,
 ) -> Result<(), Error> {
     let max_msg = conn.capabilities().max_message_size.max(1);
+    let faa = region.word(SLOTS * chunk)?;
+    let cas = region.word(SLOTS * chunk + 8)?;
+    // What the atomic words hold (the region starts zeroed).
+    let (mut faa_now, mut cas_now) = (0u64, 0u64);
     let mut i = 0u64;
     while p.moved < total {
         let left = total - p.moved;
-        // A write and its read-back move 2 × len, so the total is exact.
-        let pair = i % 3 != 2 && left >= 2;
-        let len = if pair {
-            chunk.min(left / 2)
-        } else {
-            chunk.min(left)
-        } as usize;
-        let payload = data(i, len);
-        match pair {
+        let slot = i % SLOTS;
+        // Six kinds in turn; a write and its read-back move 2 × len, so the
+        // total is exact.
+        match i % 6 {
             // Write, then read the same range back.
-            true => {
-                let dst = region.slice((i % SLOTS) * chunk, len as u64)?;
+            0 | 3 if left >= 2 => {
+                let len = chunk.min(left / 2) as usize;
+                let payload = data(i, len);
+                let dst = region.slice(slot * chunk, len as u64)?;
                 conn.write(payload.clone(), dst).await?;
                 let back = conn.read(dst).await?;
                 if Sha256::digest(&back) != Sha256::digest(&payload) {
@@ -294,9 +343,47 @@ async fn run_mix(
                 p.moved += 2 * len as u64;
                 p.ops += 2;
             }
+            // Write with immediate: the server hashes the slot it landed in.
+            1 => {
+                let len = chunk.min(left) as usize;
+                let payload = data(i, len);
+                let dst = region.slice(slot * chunk, len as u64)?;
+                conn.write_with_imm(payload.clone(), dst, slot as u32)
+                    .await?;
+                let digest = conn.recv_message().await?;
+                if digest[..] != Sha256::digest(&payload)[..] {
+                    return Err(Error::Protocol(format!(
+                        "op {i}: the server saw other bytes after a write with immediate"
+                    )));
+                }
+                p.moved += len as u64;
+                p.ops += 1;
+            }
+            // Atomics: each returns what the word held, which this client knows.
+            4 => {
+                let was = conn.fetch_and_add(faa, i).await?;
+                if was != faa_now {
+                    return Err(Error::Protocol(format!(
+                        "op {i}: fetch-and-add returned {was}, the word held {faa_now}"
+                    )));
+                }
+                faa_now = faa_now.wrapping_add(i);
+                // One compare-and-swap that must miss, one that must hit.
+                let miss = conn.compare_and_swap(cas, cas_now ^ 1, u64::MAX).await?;
+                let hit = conn.compare_and_swap(cas, cas_now, i).await?;
+                if miss != cas_now || hit != cas_now {
+                    return Err(Error::Protocol(format!(
+                        "op {i}: compare-and-swap returned {miss} and {hit}, the word held {cas_now}"
+                    )));
+                }
+                cas_now = i;
+                p.ops += 3;
+            }
             // Messages (the whole chunk, in pieces the peer accepts); the
             // server answers each with its digest.
-            false => {
+            _ => {
+                let len = chunk.min(left) as usize;
+                let payload = data(i, len);
                 for piece in payload.chunks(max_msg as usize) {
                     let msg = payload.slice_ref(piece);
                     conn.send(msg.clone()).await?;

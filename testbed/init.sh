@@ -66,7 +66,10 @@ grep -qw configfs /proc/filesystems && mount -t configfs configfs $R/sys/kernel/
 
 export HOME=/root TERM=dumb TESTBED_GUEST=1
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-chroot $R /bin/sh -c 'cd "$TESTBED_CWD" 2>/dev/null || cd /; exec /bin/sh "$TESTBED_RUN/cmd"' < /dev/null
+# guest.sh writes the command in bash's quoting; the host's bash runs it.
+chroot $R /bin/sh -c 'cd "$TESTBED_CWD" 2>/dev/null || cd /
+  if [ -x /bin/bash ]; then exec /bin/bash "$TESTBED_RUN/cmd"; fi
+  exec /bin/sh "$TESTBED_RUN/cmd"' < /dev/null
 echo $? > /run/rc
 sync
 poweroff -f

@@ -230,6 +230,8 @@ pub struct QpStats {
     pub rewinds: u64,
     /// Local ACK timeouts.
     pub timeouts: u64,
+    /// Go-back-N congestion window reductions ([`Qp::cwnd`]).
+    pub cwnd_cuts: u64,
     /// NAKs received.
     pub naks_received: u64,
     /// RNR NAKs received.
@@ -384,6 +386,19 @@ pub struct Qp {
     retry_left: u8,
     rnr_left: u8,
     retry_deadline: Option<u64>,
+    /// First retransmission timer exponent when below `cfg.timeout` (see
+    /// [`Qp::set_fast_timeout`]); 0: none.
+    fast_timeout: u8,
+    /// Consecutive timeouts without progress.
+    backoff: u32,
+    /// Go-back-N congestion window (packets), see [`Qp::cwnd`].
+    cwnd: u32,
+    /// Its slow-start threshold.
+    ssthresh: u32,
+    /// Packets acknowledged towards the next additive increase.
+    cwnd_acked: u32,
+    /// `una` when the window last grew.
+    cc_una: u32,
     rnr_until: Option<u64>,
     /// Selective repeat: single PSNs to resend before anything new.
     retx: VecDeque<u32>,
@@ -455,6 +470,12 @@ impl Qp {
             retry_left: cfg.retry_cnt,
             rnr_left: cfg.rnr_retry,
             retry_deadline: None,
+            fast_timeout: 0,
+            backoff: 0,
+            cwnd: cfg.max_unacked,
+            ssthresh: cfg.max_unacked,
+            cwnd_acked: 0,
+            cc_una: 0,
             rnr_until: None,
             retx: VecDeque::new(),
             read_retx: VecDeque::new(),
@@ -516,6 +537,87 @@ impl Qp {
         Ok(())
     }
 
+    /// Retransmit first after 4.096 µs × 2^`exp` when that is shorter than
+    /// the ACK timeout, doubling on each timeout in a row up to the larger of
+    /// the ACK timeout and 64 × the fast timer. Only timeouts of that full
+    /// length use up a retry, so a peer is given at least `retry_cnt` × the
+    /// ACK timeout it agreed to (as by a NIC with those timers) while a lost
+    /// last packet is resent early. Purely local; 0 turns it off.
+    pub fn set_fast_timeout(&mut self, exp: u8) {
+        self.fast_timeout = exp.min(31);
+    }
+
+    /// The go-back-N congestion window in packets: the requester keeps at
+    /// most this many PSNs unacknowledged (and never more than
+    /// `max_unacked`). It starts at `max_unacked`, halves at each sequence
+    /// NAK, falls to its floor at a timeout, and grows back per ACK (doubling
+    /// per round trip up to half the window before the loss, then by one
+    /// packet per window), as TCP's Reno does (RFC 5681). A go-back-N sender
+    /// resends everything after a loss, so without it a slow peer (a NIC
+    /// behind a busy host, rxe in a VM) that drops a burst is sent the same
+    /// burst again. Selective repeat does not use it.
+    pub fn cwnd(&self) -> u32 {
+        self.cwnd
+    }
+
+    /// The smallest congestion window.
+    const MIN_CWND: u32 = 8;
+
+    /// The current retransmission interval: the fast timer doubled per
+    /// timeout in a row, up to [`Qp::full_rto_ns`] (`None`: timer disabled).
+    fn rto_ns(&self) -> Option<u64> {
+        let full = self.full_rto_ns()?;
+        if self.fast_timeout == 0 || self.fast_timeout >= self.cfg.timeout {
+            return Some(full);
+        }
+        let fast = 4096u64 << self.fast_timeout;
+        Some((fast << self.backoff.min(31)).min(full))
+    }
+
+    /// The longest retransmission interval, whose expiry uses up a retry:
+    /// the ACK timeout, or 64 × the fast timer if that is longer.
+    fn full_rto_ns(&self) -> Option<u64> {
+        let ack = self.cfg.ack_timeout_ns()?;
+        if self.fast_timeout == 0 || self.fast_timeout >= self.cfg.timeout {
+            return Some(ack);
+        }
+        Some(ack.max(4096u64 << (u32::from(self.fast_timeout) + 6)))
+    }
+
+    /// A loss (go-back-N only): shrink the window (RFC 5681 §3.1).
+    fn cc_loss(&mut self, timeout: bool) {
+        if self.cfg.selective_repeat {
+            return;
+        }
+        self.ssthresh = (self.cwnd / 2).max(Self::MIN_CWND);
+        self.cwnd = if timeout {
+            Self::MIN_CWND
+        } else {
+            self.ssthresh
+        };
+        self.cwnd_acked = 0;
+        self.stats.cwnd_cuts += 1;
+    }
+
+    /// `una` moved: grow the window by what was acknowledged.
+    fn cc_acked(&mut self) {
+        let acked = psn::diff(self.una, self.cc_una).max(0) as u32;
+        self.cc_una = self.una;
+        if self.cfg.selective_repeat || acked == 0 || self.cwnd >= self.cfg.max_unacked {
+            return;
+        }
+        if self.cwnd < self.ssthresh {
+            self.cwnd = (self.cwnd + acked).min(self.ssthresh);
+        } else {
+            self.cwnd_acked += acked;
+            if self.cwnd_acked >= self.cwnd {
+                self.cwnd_acked -= self.cwnd;
+                self.cwnd += 1;
+            }
+        }
+        self.cwnd = self.cwnd.min(self.cfg.max_unacked);
+    }
+
     /// Gather READ data in buffers from `b` (e.g. a pool) instead of fresh allocations.
     pub fn set_read_buffers(&mut self, b: ReadBuffers) {
         self.read_buffers = b;
@@ -541,6 +643,7 @@ impl Qp {
         self.expect(QpState::Rtr)?;
         self.next_psn = sq_psn & psn::PSN_MASK;
         self.una = self.next_psn;
+        self.cc_una = self.una;
         self.state = QpState::Rts;
         Ok(())
     }
@@ -676,7 +779,7 @@ impl Qp {
         let p = self.next_request(now)?;
         self.stats.packets_sent += 1;
         if self.retry_deadline.is_none() {
-            self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + t);
+            self.retry_deadline = self.rto_ns().map(|t| now + t);
         }
         Some(p)
     }
@@ -709,8 +812,14 @@ impl Qp {
         }
         let wqe = self.sq.get(self.tx_wqe)?;
         let psn = psn::add(wqe.first_psn, self.tx_pkt);
-        // Window: unacknowledged PSNs (rxe RXE_MAX_UNACKED_PSNS).
-        if psn::diff(psn, self.una) >= self.cfg.max_unacked as i32 {
+        // Window: unacknowledged PSNs (rxe RXE_MAX_UNACKED_PSNS), and the
+        // congestion window in go-back-N.
+        let window = if self.cfg.selective_repeat {
+            self.cfg.max_unacked
+        } else {
+            self.cwnd.min(self.cfg.max_unacked)
+        };
+        if psn::diff(psn, self.una) >= window as i32 {
             return None;
         }
         // Outstanding READ/atomic limit (max_rd_atomic), counted before this one.
@@ -731,8 +840,15 @@ impl Qp {
         let last = idx + advance >= wqe.npkts;
         // AckReq on the last packet of a message and at least every `ack_every`
         // packets (rocev2-reference §6); reads and atomics are always answered.
+        // In go-back-N the ACKs also clock the congestion window: ask at
+        // least twice per window.
         self.pkts_since_ackreq += 1;
-        if last || self.pkts_since_ackreq >= self.cfg.ack_every || wqe.needs_response() {
+        let every = if self.cfg.selective_repeat {
+            self.cfg.ack_every
+        } else {
+            self.cfg.ack_every.min((self.cwnd / 2).max(1))
+        };
+        if last || self.pkts_since_ackreq >= every || wqe.needs_response() {
             pkt.bth.ack_req = true;
             self.pkts_since_ackreq = 0;
         }
@@ -1027,17 +1143,20 @@ impl Qp {
             return;
         }
         self.stats.timeouts += 1;
-        if self.retry_left == 0 {
-            self.fail_front(WcStatus::RetryExceeded);
-            return;
+        // A timer of the full ACK timeout is a retry (IBTA 9.7.6.1.4); a
+        // shorter fast timer (set_fast_timeout) is not.
+        let full = self.rto_ns() == self.full_rto_ns();
+        if full {
+            if self.retry_left == 0 {
+                self.fail_front(WcStatus::RetryExceeded);
+                return;
+            }
+            self.retry_left -= 1;
         }
-        self.retry_left -= 1;
+        self.cc_loss(true);
         self.recover(self.una);
-        // Back off on consecutive timeouts (×2 each, up to ×64): a busy or
-        // briefly stalled peer is not declared dead within a few base
-        // timeouts. Purely local; nothing changes on the wire.
-        let used = u32::from(self.cfg.retry_cnt.saturating_sub(self.retry_left)).min(6);
-        self.retry_deadline = self.cfg.ack_timeout_ns().map(|t| now + (t << used));
+        self.backoff += 1;
+        self.retry_deadline = self.rto_ns().map(|t| now + t);
     }
 
     // ------------------------------------------------------------ completer
@@ -1045,9 +1164,11 @@ impl Qp {
     fn progress(&mut self, now: u64) {
         self.retry_left = self.cfg.retry_cnt;
         self.rnr_left = self.cfg.rnr_retry;
+        self.backoff = 0;
+        self.cc_acked();
         let outstanding = self.sq.iter().any(|w| w.done.is_none());
         self.retry_deadline = outstanding
-            .then(|| self.cfg.ack_timeout_ns().map(|t| now + t))
+            .then(|| self.rto_ns().map(|t| now + t))
             .flatten();
         self.deliver_done();
     }
@@ -1167,6 +1288,7 @@ impl Qp {
                             }
                             self.retry_left -= 1;
                         }
+                        self.cc_loss(false);
                         self.recover(p);
                     }
                     Syndrome::Nak(NakCode::Other(SR_HOLE)) if self.cfg.selective_repeat => {

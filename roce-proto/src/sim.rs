@@ -26,6 +26,10 @@ pub struct Link {
     pub dup: f64,
     /// Probability a packet arrives marked ECN Congestion Experienced.
     pub ce: f64,
+    /// Packets the sender's link queue holds (0: unlimited); a packet that
+    /// finds it full is dropped, as by a switch buffer or a slow receiver's
+    /// ring.
+    pub queue_packets: usize,
 }
 
 impl Default for Link {
@@ -37,6 +41,7 @@ impl Default for Link {
             loss: 0.0,
             dup: 0.0,
             ce: 0.0,
+            queue_packets: 0,
         }
     }
 }
@@ -46,8 +51,10 @@ impl Default for Link {
 pub struct NetStats {
     /// Packets handed to the network.
     pub sent: u64,
-    /// Packets dropped.
+    /// Packets dropped (at random or by a full queue).
     pub lost: u64,
+    /// Of those, dropped by a full queue ([`Link::queue_packets`]).
+    pub queue_drops: u64,
     /// Extra copies delivered.
     pub duplicated: u64,
     /// Packets delivered.
@@ -168,6 +175,13 @@ impl Sim {
         // Serialise on the sender's link, then propagate.
         let start = self.free_at[dir].max(self.now);
         let tx = ((bytes.len() + 4 + 58) as f64 / self.link.bytes_per_ns) as u64;
+        // Tail drop: the queue ahead of this packet, in packets of its size.
+        let ahead = (start - self.now) / tx.max(1);
+        if self.link.queue_packets > 0 && ahead >= self.link.queue_packets as u64 {
+            self.net.lost += 1;
+            self.net.queue_drops += 1;
+            return;
+        }
         self.free_at[dir] = start + tx;
         if self.rand() < self.link.loss {
             self.net.lost += 1;

@@ -463,6 +463,70 @@ fn selective_repeat_resends_only_what_was_lost() {
     assert_eq!(lossless, min);
 }
 
+/// Go-back-N into a queue of 32 packets, with a window of 256: the
+/// congestion window (`Qp::cwnd`) halves at each loss until bursts fit, so
+/// the stream is not resent window after window (without it, every
+/// resent window overflows the queue again), and ACKs asked for twice per
+/// window plus the fast timer recover tail drops quickly. Data exact, and
+/// few packets sent twice.
+#[test]
+fn go_back_n_backs_off_into_a_small_queue() {
+    let run = |queue_packets: usize| {
+        let cfg = QpConfig {
+            pmtu: 1024,
+            timeout: 12,
+            max_unacked: 256,
+            dcqcn: None,
+            ..QpConfig::default()
+        };
+        let link = Link {
+            queue_packets,
+            ..Link::default()
+        };
+        let mut sim = Sim::new(cfg, cfg, link, 5);
+        sim.a.set_fast_timeout(8); // as the soft device does
+        let len = 4usize << 20;
+        let data = Bytes::from((0..len).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+        sim.mem_b.add(0x77, 0x10000, vec![0; len]);
+        sim.a
+            .post_send(
+                1,
+                WorkRequest::Write {
+                    data: data.clone(),
+                    va: 0x10000,
+                    rkey: 0x77,
+                    imm: None,
+                },
+            )
+            .unwrap();
+        assert!(sim.run_until(60_000_000_000, |s| !s.done_a.is_empty()));
+        assert_eq!(sim.done_a[0].status, WcStatus::Success);
+        assert!(
+            sim.mem_b.regions[0].data == data[..],
+            "written data differs"
+        );
+        (sim.a.stats(), sim.net, sim.now)
+    };
+    let packets = 4096; // 4 MiB / 1 KiB
+    let (free, net, _) = run(0);
+    assert_eq!(
+        (free.packets_sent, free.cwnd_cuts, net.lost),
+        (packets, 0, 0)
+    );
+    let (st, net, ns) = run(32);
+    println!(
+        "queue of 32: sent {} for {packets} ({} dropped by the queue), {} window cuts, {} timeouts, {ns} ns",
+        st.packets_sent, net.queue_drops, st.cwnd_cuts, st.timeouts
+    );
+    assert!(net.queue_drops > 0 && st.cwnd_cuts > 0);
+    assert!(st.timeouts < 50, "{} timeouts", st.timeouts);
+    assert!(
+        st.packets_sent < packets + packets / 4,
+        "sent {} packets for {packets}",
+        st.packets_sent
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::default())]
 
@@ -631,18 +695,16 @@ fn remote_access_errors_nak_and_flush() {
     }
 }
 
-#[test]
-fn dead_peer_exhausts_retries() {
-    let cfg = QpConfig {
-        timeout: 12,
-        retry_cnt: 3,
-        ..QpConfig::default()
-    };
+/// A write into a link that loses everything, from `a` whose fast timer
+/// (`set_fast_timeout`, 0: none) is `fast`: returns when it failed (ns) and
+/// the timeouts it counted.
+fn dead_peer(cfg: QpConfig, fast: u8) -> (u64, u64) {
     let link = Link {
         loss: 1.0,
         ..Link::default()
     };
     let mut sim = Sim::new(cfg, cfg, link, 11);
+    sim.a.set_fast_timeout(fast);
     sim.a
         .post_send(
             1,
@@ -654,16 +716,47 @@ fn dead_peer_exhausts_retries() {
             },
         )
         .unwrap();
-    assert!(sim.run_until(10_000_000_000, |s| !s.done_a.is_empty()));
+    assert!(sim.run_until(100_000_000_000, |s| !s.done_a.is_empty()));
     assert_eq!(sim.done_a[0].status, WcStatus::RetryExceeded);
-    let timeout = cfg.ack_timeout_ns().unwrap();
-    // One first try plus three retries, the wait doubling after each timeout:
-    // t + 2t + 4t + 8t.
-    assert_eq!(sim.a.stats().timeouts, 4);
+    (sim.now, sim.a.stats().timeouts)
+}
+
+#[test]
+fn dead_peer_exhausts_retries() {
+    let cfg = QpConfig {
+        timeout: 12,
+        retry_cnt: 3,
+        ..QpConfig::default()
+    };
+    let t = cfg.ack_timeout_ns().unwrap();
+    // As a NIC (IBTA 9.7.6.1.4): the first try and three retries, each
+    // after the ACK timeout.
+    let (at, timeouts) = dead_peer(cfg, 0);
+    assert_eq!(timeouts, 4);
+    assert!(at >= 4 * t && at < 5 * t, "failed at {at} (timeout {t})");
+
+    // A fast timer of t/256 (64 × it is t/4, below t): it doubles up to t
+    // (t/256 … t/2, no retries used), then the same four full timeouts. The
+    // peer gets as long, and a lost packet is resent after t/256.
+    let (at, timeouts) = dead_peer(cfg, 4);
+    assert_eq!(timeouts, 8 + 4);
+    let early: u64 = (0..8).map(|k| (t / 256) << k).sum();
     assert!(
-        sim.now >= 15 * timeout && sim.now < 16 * timeout,
-        "failed at {} (timeout {timeout})",
-        sim.now
+        at >= early + 4 * t && at < early + 5 * t,
+        "failed at {at} (timeout {t})"
+    );
+
+    // A fast timer whose 64 × exceeds the ACK timeout: that is the full one
+    // (a software path's 1 ms timer against a short agreed timeout).
+    let short = QpConfig { timeout: 8, ..cfg };
+    let t8 = short.ack_timeout_ns().unwrap();
+    let (at, timeouts) = dead_peer(short, 4);
+    // t8/16 … 2 × t8 (six), then four of 64 × t8/16 = 4 × t8.
+    let early: u64 = (0..6).map(|k| (t8 / 16) << k).sum();
+    assert_eq!(timeouts, 6 + 4);
+    assert!(
+        at >= early + 16 * t8 && at < early + 17 * t8,
+        "failed at {at} (timeout {t8})"
     );
 }
 

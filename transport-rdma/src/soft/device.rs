@@ -74,8 +74,10 @@ pub struct SoftConfig {
     pub rx_queues: usize,
     /// Unacknowledged packets a QP may have in flight (256 × 4 KiB = 1 MiB).
     pub window: u32,
-    /// Cap on the local ACK timeout exponent (8: 1 ms): a software path
-    /// recovers a lost last packet faster than a NIC's default would.
+    /// First retransmission timer exponent (8: 1 ms), doubling per timeout
+    /// up to the agreed ACK timeout (or 64 × this): a software path recovers
+    /// a lost last packet faster than a NIC's default would, and a slow peer
+    /// still gets the agreed timeout × retry count ([`Qp::set_fast_timeout`]).
     pub max_ack_timeout: u8,
     /// Exact IPv4 ICRCs for NIC peers: send IPv4 through a raw socket with our
     /// own header (needs CAP_NET_RAW; no GSO batching). Without it the kernel
@@ -480,7 +482,7 @@ impl ProtectionDomain for SoftPd {
         };
         let cfg = QpConfig {
             pmtu: dev.cfg.mtu,
-            timeout: opts.timeout.min(dev.cfg.max_ack_timeout),
+            timeout: opts.timeout,
             retry_cnt: opts.retry_cnt,
             rnr_retry: opts.rnr_retry,
             max_rd_atomic: opts.max_rd_atomic,
@@ -1195,12 +1197,9 @@ impl QueuePair for SoftQpHandle {
         let mut g = qp.inner.lock();
         g.qp.set_pmtu(peer.mtu).map_err(qp_err)?;
         let t = peer.timers;
-        g.qp.set_timers(
-            t.timeout.min(qp.dev.cfg.max_ack_timeout),
-            t.retry_cnt,
-            t.rnr_retry,
-        )
-        .map_err(qp_err)?;
+        g.qp.set_timers(t.timeout, t.retry_cnt, t.rnr_retry)
+            .map_err(qp_err)?;
+        g.qp.set_fast_timeout(qp.dev.cfg.max_ack_timeout);
         g.qp.set_selective_repeat(peer.selective_repeat);
         g.qp.to_rtr(peer.qpn, peer.psn).map_err(qp_err)?;
         g.qp.to_rts(sq_psn).map_err(qp_err)?;

@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# testbed/tests.sh [TEST...]   rdmx against the Linux kernel's own RoCEv2
+# stack (rdma_rxe through the real libibverbs) in throw-away guests.
+# Needs root, a built workspace (see below) and a prepared testbed
+# (testbed/prepare.sh; done on first use). Tests (default: all):
+#
+#   conformance-hw   the conformance suite through the NIC provider on rxe
+#                    (client and server in one process, over the rxe device)
+#   doctor           `rdmx doctor` in a guest reports rxe0, its RoCEv2 GID and port
+#   soft-hw          host soft engine <-> guest NIC provider on rxe: `rdmx soak`
+#                    (every operation, data checked) and `rdmx perf` (every op,
+#                    0 B..16 MiB), each side as client and as server
+#   soft-hw-loss     the same soak with 1% and 5% loss (netem in the guest):
+#                    go-back-N against rxe, still exact
+#
+# Builds it uses (CI makes them; so can you):
+#   cargo build --release -p rdmx-cli --features hw
+#   cargo test -p rdmx-transport-rdma --features hw --test conformance_hw --no-run
+# Environment: RDMX_TESTBED_DIR (prepared files), RDMX_TESTBED_OUT (logs; a
+# temp dir by default), RDMX_TESTBED_SCALE (bytes of the 16 MiB soaks, 64m).
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+cd "$ROOT"
+OUT=${RDMX_TESTBED_OUT:-$(mktemp -d /tmp/rdmx-testbed-out.XXXXXX)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+SCALE=${RDMX_TESTBED_SCALE:-64m}
+RDMX=$ROOT/target/release/rdmx
+export RDMX_TESTBED_DIR=${RDMX_TESTBED_DIR:-/var/tmp/rdmx-testbed}
+"$HERE/prepare.sh" "$RDMX_TESTBED_DIR" >/dev/null || exit 1
+[[ -x $RDMX ]] || { echo "tests.sh: build $RDMX first (cargo build --release -p rdmx-cli --features hw)" >&2; exit 1; }
+
+NS=""
+cleanup() { [[ -z $NS ]] || "$HERE/net.sh" down "$NS"; NS=""; jobs -p | xargs -r kill 2>/dev/null; }
+trap cleanup EXIT
+net_up() { NS=rdmxtb$$; "$HERE/net.sh" up "$NS" tap0; }
+ns() { ip netns exec "$NS" "$@"; }
+guest() { "$HERE/guest.sh" "$@"; }
+
+# wait_tcp ADDR PORT SECONDS: until something listens there (from the netns)
+wait_tcp() {
+  local end=$((SECONDS + $3))
+  until ns bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; do
+    ((SECONDS < end)) || return 1
+    sleep 0.5
+  done
+}
+
+# ---------------------------------------------------------------------------
+t_conformance-hw() {
+  local bin
+  bin=$(cargo test -q -p rdmx-transport-rdma --features hw --test conformance_hw --no-run \
+          --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("name") == "conformance_hw":
+        print(m["executable"])')
+  [[ -x $bin ]] || { echo "no conformance_hw test binary"; return 1; }
+  # Every case, with the path MTU checked: rxe on a 1500-byte Ethernet has 1024.
+  guest --mem 3072 --nic -=198.18.0.2/24 --rxe --timeout 900 -c \
+    "RDMX_TEST_RDMA_ADDR=198.18.0.2 RDMX_RDMA_DEVICE=rxe0 RDMX_TEST_EXPECT_MTU=1024 \
+     $bin --ignored --test-threads=1" > "$OUT/conformance-hw.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/conformance-hw.log"
+  ((rc == 0)) && grep -q "test result: ok. 13 passed" "$OUT/conformance-hw.log"
+}
+
+t_doctor() {
+  guest --nic -=198.18.0.2/24 --rxe -- "$RDMX" doctor > "$OUT/doctor.log" 2>&1 || { cat "$OUT/doctor.log"; return 1; }
+  cat "$OUT/doctor.log"
+  grep -q '^provider a connection would use: hw (rxe0' "$OUT/doctor.log" &&
+    grep -q '^rxe0 port 1: 4: ACTIVE, Ethernet, active MTU 1024' "$OUT/doctor.log" &&
+    grep -q 'GID\[1\] 198.18.0.2 RoceV2 on eth0' "$OUT/doctor.log"
+}
+
+# soak_pair WHO-SERVES LOSS CHUNK BYTES: a soak between the host's soft
+# engine and the guest's NIC provider; the guest serves when WHO-SERVES is
+# "guest".
+soak_pair() {
+  local serves=$1 loss=$2 chunk=$3 bytes=$4 tag="soak-$1-serves-$2-$3"
+  local netem=""
+  [[ $loss == 0 ]] || netem="tc qdisc add dev eth0 root netem loss $loss% &&"
+  net_up
+  if [[ $serves == host ]]; then
+    ns "$RDMX" soak server --listen 198.18.0.1:7500 --transport rdma > "$OUT/$tag.server" 2>&1 &
+    wait_tcp 198.18.0.1 7500 10 || { echo "host soak server did not start"; cleanup; return 1; }
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 600 -c \
+      "$netem $RDMX soak client rdma://198.18.0.1:7500 --bytes $bytes --chunk $chunk --json" \
+      > "$OUT/$tag.client" 2>&1
+  else
+    mkdir -p "$OUT/flag.$tag"
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 600 \
+      --rw "$OUT/flag.$tag" -c \
+      "$netem ($RDMX soak server --listen 198.18.0.2:7500 --transport rdma &) ;
+       while [ ! -e $OUT/flag.$tag/done ]; do sleep 0.2; done" > "$OUT/$tag.server" 2>&1 &
+    local g=$!
+    if wait_tcp 198.18.0.2 7500 60; then
+      ns env RDMX_RDMA_PROVIDER=soft "$RDMX" soak client rdma://198.18.0.2:7500 \
+        --bytes "$bytes" --chunk "$chunk" --json > "$OUT/$tag.client" 2>&1
+    else
+      echo "guest soak server did not start" > "$OUT/$tag.client"
+    fi
+    touch "$OUT/flag.$tag/done"
+    wait "$g"
+  fi
+  cleanup
+  local line
+  line=$(grep '^{' "$OUT/$tag.client" | tail -1)
+  printf '%-38s %s\n' "$tag" "${line:-$(tail -3 "$OUT/$tag.client")}"
+  # The JSON says it all: verified, the provider, the bytes.
+  python3 - "$line" "$serves" "$bytes" <<'PY'
+import json, sys
+r = json.loads(sys.argv[1] or "{}")
+want_client = "rxe0" if sys.argv[2] == "host" else "soft-roce"
+scale = sys.argv[3].lower()
+n = int(scale[:-1]) << {"k": 10, "m": 20, "g": 30}[scale[-1]] if scale[-1] in "kmg" else int(scale)
+ok = r.get("verified") is True and r.get("bytes") == n and want_client in r.get("provider", "") \
+     and "go-back-N" in r.get("provider", "")
+sys.exit(0 if ok else 1)
+PY
+}
+
+t_soft-hw() {
+  local fails=0 serves
+  for serves in host guest; do
+    # 1-byte operations, odd multi-packet ones, and 16 MiB ones
+    soak_pair "$serves" 0 1 2000 || fails=$((fails + 1))
+    soak_pair "$serves" 0 4097 4m || fails=$((fails + 1))
+    soak_pair "$serves" 0 16m "$SCALE" || fails=$((fails + 1))
+  done
+  # perf, every operation and size, both ways round (completion, not data:
+  # the soaks above check data).
+  local ops=send,write,read,cas,faa sizes=0,8,4k,64k,1m,16m
+  net_up
+  ns "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/perf-host-serves.server" 2>&1 &
+  wait_tcp 198.18.0.1 7471 10 || fails=$((fails + 1))
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 -- "$RDMX" perf client \
+    rdma://198.18.0.1:7471 --op "$ops" --sizes "$sizes" --iters 20 --duration-ms 200 \
+    --policy require > "$OUT/perf-host-serves.client" 2>&1 || fails=$((fails + 1))
+  cleanup
+  cat "$OUT/perf-host-serves.client"
+  # 5 ops; cas and faa use 8 bytes only: 3 × 6 sizes + 2 rows
+  [[ $(grep -c '^rdma ' "$OUT/perf-host-serves.client") == 20 ]] || fails=$((fails + 1))
+  net_up
+  mkdir -p "$OUT/flag.perf"
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 --rw "$OUT/flag.perf" -c \
+    "($RDMX perf server --listen 198.18.0.2:7471 --transport rdma &) ;
+     while [ ! -e $OUT/flag.perf/done ]; do sleep 0.2; done" > "$OUT/perf-guest-serves.server" 2>&1 &
+  local g=$!
+  if wait_tcp 198.18.0.2 7471 60; then
+    ns env RDMX_RDMA_PROVIDER=soft "$RDMX" perf client rdma://198.18.0.2:7471 --op "$ops" \
+      --sizes "$sizes" --iters 20 --duration-ms 200 --policy require \
+      > "$OUT/perf-guest-serves.client" 2>&1 || fails=$((fails + 1))
+  fi
+  touch "$OUT/flag.perf/done"
+  wait "$g"
+  cleanup
+  cat "$OUT/perf-guest-serves.client"
+  [[ $(grep -c '^rdma ' "$OUT/perf-guest-serves.client") == 20 ]] || fails=$((fails + 1))
+  ((fails == 0))
+}
+
+t_soft-hw-loss() {
+  local fails=0 serves loss
+  for loss in 1 5; do
+    for serves in host guest; do
+      soak_pair "$serves" "$loss" 1m 16m || fails=$((fails + 1))
+    done
+  done
+  ((fails == 0))
+}
+
+ALL="conformance-hw doctor soft-hw soft-hw-loss"
+TESTS=${*:-$ALL}
+failed=()
+for t in $TESTS; do
+  declare -F "t_$t" >/dev/null || { echo "tests.sh: no test $t (have: $ALL)" >&2; exit 2; }
+  echo "=== $t"
+  start=$SECONDS
+  if "t_$t"; then r=PASS; else r=FAIL; failed+=("$t"); fi
+  echo "=== $t: $r ($((SECONDS - start)) s)"
+done
+echo "logs: $OUT"
+if ((${#failed[@]})); then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all passed: $TESTS"

@@ -822,13 +822,18 @@ impl Qp {
         if psn::diff(psn, self.una) >= window as i32 {
             return None;
         }
-        // Outstanding READ/atomic limit (max_rd_atomic), counted before this one.
+        // Outstanding READ/atomic limit (max_rd_atomic), counted before this
+        // one from the oldest unfinished request: those that finished out of
+        // order behind it count too, because the responder keeps replay state
+        // for only its last max_rd_atomic of them (IBTA 9.5, o9-21), and the
+        // oldest may still have to be asked again.
         if wqe.needs_response() && self.tx_pkt == 0 {
             let outstanding = self
                 .sq
                 .iter()
                 .take(self.tx_wqe)
-                .filter(|w| w.needs_response() && w.done.is_none())
+                .skip_while(|w| w.done.is_some())
+                .filter(|w| w.needs_response())
                 .count();
             if outstanding >= self.cfg.max_rd_atomic as usize {
                 return None;
@@ -1397,7 +1402,17 @@ impl Qp {
         } else {
             pmtu
         };
-        if op != expected || pkt.payload.len() != want_len {
+        // A resumed read: IBTA has the replay start again with FIRST (as
+        // rdmx and NICs do), but Linux rxe continues the original response's
+        // sequence (MIDDLE … LAST, rxe_resp.c replaying its read resource).
+        // Both carry the same bytes at the same PSNs: take either.
+        let continued = match ends {
+            false => Opcode::RDMA_READ_RESPONSE_MIDDLE,
+            true => Opcode::RDMA_READ_RESPONSE_LAST,
+        };
+        let resumed = p == w.round_start && p != w.first_psn && idx % c != 0;
+        let op_ok = op == expected || (resumed && op == continued);
+        if !op_ok || pkt.payload.len() != want_len {
             self.stats.dropped += 1;
             return;
         }

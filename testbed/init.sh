@@ -56,6 +56,7 @@ for nic in $TESTBED_NICS; do                  # eth0=198.18.0.2/24 ...
 done
 if [ -n "$TESTBED_RXE" ]; then
   modprobe rdma_rxe || fail "modprobe rdma_rxe"
+  modprobe rdma_ucm || fail "modprobe rdma_ucm"   # rdma_cm from user space (perftest -R)
   for nic in $TESTBED_NICS; do
     dev=${nic%%=*}
     chroot $R rdma link add "rxe${dev#eth}" type rxe netdev "$dev" || fail "rdma link add on $dev"

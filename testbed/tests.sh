@@ -12,6 +12,12 @@
 #                    0 B..16 MiB), each side as client and as server
 #   soft-hw-loss     the same soak with 1% and 5% loss (netem in the guest):
 #                    go-back-N against rxe, still exact
+#   pingpong         rdma-core's ibv_rc_pingpong in a guest (on rxe) against
+#                    `rdmx pingpong` (soft engine) on the host, both roles,
+#                    several sizes; every echoed message checked
+#   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
+#                    both ends, a lossy run) and soft<->rxe: `rdmx pcap check`
+#                    verifies every packet, and every opcode must be there
 #
 # Builds it uses (CI makes them; so can you):
 #   cargo build --release -p rdmx-cli --features hw
@@ -32,10 +38,19 @@ export RDMX_TESTBED_DIR=${RDMX_TESTBED_DIR:-/var/tmp/rdmx-testbed}
 [[ -x $RDMX ]] || { echo "tests.sh: build $RDMX first (cargo build --release -p rdmx-cli --features hw)" >&2; exit 1; }
 
 NS=""
-cleanup() { [[ -z $NS ]] || "$HERE/net.sh" down "$NS"; NS=""; jobs -p | xargs -r kill 2>/dev/null; }
+BG=()   # host programs started in the background (servers, captures)
+cleanup() {
+  ((${#BG[@]} == 0)) || kill "${BG[@]}" 2>/dev/null
+  BG=()
+  [[ -z $NS ]] || "$HERE/net.sh" down "$NS"
+  NS=""
+}
 trap cleanup EXIT
-net_up() { NS=rdmxtb$$; "$HERE/net.sh" up "$NS" tap0; }
+net_up() { NS=rdmxtb$$; "$HERE/net.sh" up "$NS" "${@:-tap0}"; }
 ns() { ip netns exec "$NS" "$@"; }
+# bg CMD...: run CMD in the namespace in the background (its pid in BG;
+# `ip netns exec` execs, so the pid is CMD's own)
+bg() { ip netns exec "$NS" "$@" & BG+=($!); }
 guest() { "$HERE/guest.sh" "$@"; }
 
 # wait_tcp ADDR PORT SECONDS: until something listens there (from the netns)
@@ -84,7 +99,7 @@ soak_pair() {
   [[ $loss == 0 ]] || netem="tc qdisc add dev eth0 root netem loss $loss% &&"
   net_up
   if [[ $serves == host ]]; then
-    ns "$RDMX" soak server --listen 198.18.0.1:7500 --transport rdma > "$OUT/$tag.server" 2>&1 &
+    bg "$RDMX" soak server --listen 198.18.0.1:7500 --transport rdma > "$OUT/$tag.server" 2>&1
     wait_tcp 198.18.0.1 7500 10 || { echo "host soak server did not start"; cleanup; return 1; }
     guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 600 -c \
       "$netem $RDMX soak client rdma://198.18.0.1:7500 --bytes $bytes --chunk $chunk --json" \
@@ -135,7 +150,7 @@ t_soft-hw() {
   # TCG guest moves would outlast perf's 10 s operation timeout.
   local ops=send,write,read,cas,faa sizes=0,8,4k,64k,1m,16m
   net_up
-  ns "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/perf-host-serves.server" 2>&1 &
+  bg "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/perf-host-serves.server" 2>&1
   wait_tcp 198.18.0.1 7471 10 || fails=$((fails + 1))
   guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 -- "$RDMX" perf client \
     rdma://198.18.0.1:7471 --op "$ops" --sizes "$sizes" --iters 20 --duration-ms 200 --window 2 \
@@ -173,7 +188,123 @@ t_soft-hw-loss() {
   ((fails == 0))
 }
 
-ALL="conformance-hw doctor soft-hw soft-hw-loss"
+# capture NAME CMD...: run CMD while the bridge is captured to $OUT/NAME.pcapng
+capture() {
+  local name=$1; shift
+  ip netns exec "$NS" dumpcap -q -i br0 -f "udp port 4791" -w "$OUT/$name.pcapng" 2>/dev/null &
+  local cap=$!
+  sleep 1
+  "$@"
+  local rc=$?
+  sleep 0.5
+  kill -INT "$cap"; wait "$cap" 2>/dev/null
+  return $rc
+}
+
+# check_capture FILE OPCODE...: `rdmx pcap check` passes, and each opcode
+# (as the summary names it; "NAK" for a sequence NAK) is in it
+check_capture() {
+  local f=$1; shift
+  "$RDMX" pcap check -v "$f" > "$f.check" 2>&1 || { grep -v 'icrc ok$' "$f.check" | tail; return 1; }
+  grep -v 'icrc ok$' "$f.check"
+  local missing=""
+  for op in "$@"; do
+    case $op in
+      NAK) grep -q 'aeth=Nak(PsnSequenceError)' "$f.check" || missing+=" $op" ;;
+      *) grep -qE "^  $op( |$)" "$f.check" || missing+=" $op" ;;
+    esac
+  done
+  [[ -z $missing ]] || { echo "missing from $f:$missing"; return 1; }
+}
+
+t_captures() {
+  local fails=0
+  # rxe <-> rxe: two guests
+  net_up tap0 tap1
+  mkdir -p "$OUT/pair"
+  rm -f "$OUT/pair/soak-done"
+  pair() {
+    guest --name a --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 900 \
+      --rw "$OUT/pair" -- "$HERE/rxe-pair.sh" server 198.18.0.3 "$OUT/pair" > "$OUT/pair-server.log" 2>&1 &
+    local a=$!
+    guest --name b --netns "$NS" --nic tap1=198.18.0.3/24 --rxe --modprobe sch_netem --timeout 900 \
+      --rw "$OUT/pair" -- "$HERE/rxe-pair.sh" client 198.18.0.2 "$OUT/pair" > "$OUT/pair-client.log" 2>&1
+    local rb=$?
+    wait "$a"
+    local ra=$?
+    grep -h '^### .*rc=' "$OUT/pair-server.log" "$OUT/pair-client.log"
+    ((ra == 0 && rb == 0))
+  }
+  capture rxe-rxe pair || fails=$((fails + 1))
+  cleanup
+  check_capture "$OUT/rxe-rxe.pcapng" SEND_FIRST SEND_MIDDLE SEND_LAST SEND_ONLY \
+    RDMA_WRITE_FIRST RDMA_WRITE_MIDDLE RDMA_WRITE_LAST RDMA_WRITE_ONLY \
+    RDMA_WRITE_LAST_WITH_IMMEDIATE RDMA_READ_REQUEST RDMA_READ_RESPONSE_FIRST \
+    RDMA_READ_RESPONSE_MIDDLE RDMA_READ_RESPONSE_LAST RDMA_READ_RESPONSE_ONLY \
+    ACKNOWLEDGE ATOMIC_ACKNOWLEDGE COMPARE_SWAP FETCH_ADD \
+    UC_SEND_FIRST UC_SEND_LAST UC_RDMA_WRITE_FIRST UC_RDMA_WRITE_LAST \
+    UD_SEND_ONLY "UD_SEND_ONLY \(CM ConnectRequest\)" "UD_SEND_ONLY \(CM ConnectReply\)" \
+    "UD_SEND_ONLY \(CM ReadyToUse\)" NAK || fails=$((fails + 1))
+  # soft (host) <-> rxe (guest): a soak each way round, the second lossy
+  net_up
+  soft_rxe() {
+    bg "$RDMX" soak server --listen 198.18.0.1:7500 --transport rdma > "$OUT/soft-rxe.server" 2>&1
+    wait_tcp 198.18.0.1 7500 10 || return 1
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 600 -c \
+      "$RDMX soak client rdma://198.18.0.1:7500 --bytes 12k --chunk 1000 &&
+       $RDMX soak client rdma://198.18.0.1:7500 --bytes 40k --chunk 4097 &&
+       tc qdisc add dev eth0 root netem loss 10% &&
+       $RDMX soak client rdma://198.18.0.1:7500 --bytes 128k --chunk 32k" > "$OUT/soft-rxe.client" 2>&1
+  }
+  capture soft-rxe soft_rxe || { tail "$OUT/soft-rxe.client"; fails=$((fails + 1)); }
+  cleanup
+  check_capture "$OUT/soft-rxe.pcapng" SEND_ONLY RDMA_WRITE_FIRST RDMA_WRITE_MIDDLE \
+    RDMA_WRITE_LAST RDMA_WRITE_ONLY RDMA_WRITE_LAST_WITH_IMMEDIATE RDMA_READ_REQUEST \
+    RDMA_READ_RESPONSE_FIRST RDMA_READ_RESPONSE_MIDDLE RDMA_READ_RESPONSE_LAST \
+    RDMA_READ_RESPONSE_ONLY ACKNOWLEDGE ATOMIC_ACKNOWLEDGE COMPARE_SWAP FETCH_ADD \
+    NAK || fails=$((fails + 1))
+  ((fails == 0))
+}
+
+t_pingpong() {
+  local fails=0 size n=100
+  for size in 64 4096 10000; do
+    net_up
+    # rc_pingpong serves in the guest; rdmx connects from the host
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -- \
+      ibv_rc_pingpong -d rxe0 -g 1 -s "$size" -n "$n" > "$OUT/pingpong-$size.guest-server" 2>&1 &
+    local g=$!
+    local i=0
+    until ns "$RDMX" pingpong 198.18.0.2 --size "$size" --iters "$n" \
+            > "$OUT/pingpong-$size.host-client" 2>&1; do
+      # the guest may still be booting
+      i=$((i + 1)); ((i < 60)) || break; sleep 0.5
+    done
+    wait "$g" || fails=$((fails + 1))
+    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-client" || fails=$((fails + 1))
+    printf 'rc_pingpong server, rdmx client, %5s B: %s | %s\n' "$size" \
+      "$(grep -m1 'usec/iter' "$OUT/pingpong-$size.guest-server")" \
+      "$(tail -1 "$OUT/pingpong-$size.host-client")"
+    cleanup
+    # rdmx serves on the host; rc_pingpong connects from the guest
+    net_up
+    bg "$RDMX" pingpong --listen 198.18.0.1 --size "$size" --iters "$n" > "$OUT/pingpong-$size.host-server" 2>&1
+    local srv=${BG[-1]}
+    sleep 0.5   # (a probe connection would be taken for the client)
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -- \
+      ibv_rc_pingpong -d rxe0 -g 1 -s "$size" -n "$n" 198.18.0.1 > "$OUT/pingpong-$size.guest-client" 2>&1 ||
+      fails=$((fails + 1))
+    wait "$srv" || fails=$((fails + 1))
+    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-server" || fails=$((fails + 1))
+    printf 'rdmx server, rc_pingpong client, %5s B: %s | %s\n' "$size" \
+      "$(grep -m1 'usec/iter' "$OUT/pingpong-$size.guest-client")" \
+      "$(tail -1 "$OUT/pingpong-$size.host-server")"
+    cleanup
+  done
+  ((fails == 0))
+}
+
+ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong captures"
 TESTS=${*:-$ALL}
 failed=()
 for t in $TESTS; do

@@ -19,6 +19,7 @@ mod doctor;
 mod kv;
 mod pcap;
 mod perf;
+mod pingpong;
 mod plot;
 mod raw;
 mod soak;
@@ -53,6 +54,8 @@ enum Cmd {
     Doctor(doctor::DoctorArgs),
     /// The distributed cache: nodes, the RESP (Redis) gateway, a benchmark.
     Kv(kv::KvArgs),
+    /// The peer of rdma-core's ibv_rc_pingpong (its exchange, on the soft engine).
+    Pingpong(pingpong::PingpongArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -81,6 +84,7 @@ fn main() -> std::process::ExitCode {
                 Cmd::Soak(a) => soak::run(a).await,
                 Cmd::Doctor(a) => doctor::run(a),
                 Cmd::Kv(a) => kv::run(a).await,
+                Cmd::Pingpong(a) => pingpong::run(a).await,
             }
         })
         .await

@@ -2,7 +2,7 @@
 
 use rdmx_core::Error;
 use rdmx_roce_proto::pcap::{check_frame_on, read_capture_file, Verdict};
-use rdmx_roce_proto::RoceFrame;
+use rdmx_roce_proto::{mad, RoceFrame, Transport};
 
 /// Arguments of `rdmx pcap`.
 #[derive(clap::Args, Debug)]
@@ -50,6 +50,12 @@ fn describe(data: &[u8]) -> String {
             );
             if p.bth.ack_req {
                 s.push_str(" A");
+            }
+            if let Some(d) = p.deth {
+                s.push_str(&format!(" qkey={:#x} srcqp={:#x}", d.qkey, d.src_qp));
+            }
+            if let Some(m) = mad::describe(p) {
+                s.push_str(&format!(" {m}"));
             }
             if let Some(r) = p.reth {
                 s.push_str(&format!(
@@ -107,7 +113,13 @@ pub(crate) fn run(a: PcapArgs) -> Result<(), Error> {
         for (i, c) in frames.iter().enumerate() {
             match check_frame_on(c, port) {
                 Verdict::Ok(op) => {
-                    *ok.entry(op).or_insert(0usize) += 1;
+                    // Datagrams to QP1 are management MADs (the CM of rdma_cm
+                    // and perftest -R): counted by message.
+                    let mad = (op.transport() == Transport::Ud)
+                        .then(|| RoceFrame::parse_on(&c.data, port).ok().flatten())
+                        .flatten()
+                        .and_then(|f| mad::describe(&f.packet));
+                    *ok.entry((op, mad)).or_insert(0usize) += 1;
                     if verbose {
                         println!("{file} #{}: {} icrc ok", i + 1, describe(&c.data));
                     }
@@ -128,8 +140,12 @@ pub(crate) fn run(a: PcapArgs) -> Result<(), Error> {
         if roce == 0 {
             empty.push(file.as_str());
         }
-        for (op, n) in &ok {
-            println!("  {:<34} {n:>6}", op.to_string());
+        for ((op, mad), n) in &ok {
+            let label = match mad {
+                Some(m) => format!("{op} ({m})"),
+                None => op.to_string(),
+            };
+            println!("  {label:<48} {n:>6}");
         }
         failed += bad;
     }

@@ -10,6 +10,7 @@
 
 pub mod dcqcn;
 pub mod icrc;
+pub mod mad;
 pub mod memory;
 pub mod opcode;
 pub mod packet;
@@ -20,8 +21,8 @@ pub mod sim;
 pub mod wire;
 
 pub use memory::{Atomic, MemError, Memory, Need, VecMemory};
-pub use opcode::Opcode;
-pub use packet::{Aeth, AtomicEth, Bth, DecodeError, NakCode, Packet, Reth, Syndrome};
+pub use opcode::{Opcode, Transport};
+pub use packet::{Aeth, AtomicEth, Bth, DecodeError, Deth, NakCode, Packet, Reth, Syndrome};
 pub use qp::{
     Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, WcOpcode, WcStatus,
     WorkRequest,

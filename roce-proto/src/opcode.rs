@@ -1,4 +1,6 @@
-//! RC opcodes and which extension headers each carries (rocev2-reference §3).
+//! BTH opcodes and which extension headers each carries (rocev2-reference §3;
+//! IBTA vol. 1 9.2.3 table 38): RC (what the engine speaks), and UC and UD so
+//! that captures from any stack decode (`rdmx pcap check`).
 
 use std::fmt;
 
@@ -9,6 +11,8 @@ pub struct Opcode(pub u8);
 /// Extension headers that follow the BTH, in wire order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
+    /// Datagram extended transport header (8 bytes, UD only; first after the BTH).
+    pub deth: bool,
     /// RDMA extended transport header (16 bytes).
     pub reth: bool,
     /// Atomic extended transport header (28 bytes).
@@ -30,7 +34,8 @@ pub struct Layout {
 impl Layout {
     /// Bytes of extension headers after the 12-byte BTH.
     pub fn ext_len(&self) -> usize {
-        16 * self.reth as usize
+        8 * self.deth as usize
+            + 16 * self.reth as usize
             + 28 * self.atomic_eth as usize
             + 4 * self.aeth as usize
             + 8 * self.atomic_ack_eth as usize
@@ -88,14 +93,60 @@ opcodes! {
     FETCH_ADD = 0x14, "RC fetch-and-add request.", [atomic_eth], false;
     SEND_LAST_WITH_INVALIDATE = 0x16, "RC SEND last packet with invalidate.", [ieth], true;
     SEND_ONLY_WITH_INVALIDATE = 0x17, "RC SEND only packet with invalidate.", [ieth], true;
+    UC_SEND_FIRST = 0x20, "UC SEND first packet.", [], true;
+    UC_SEND_MIDDLE = 0x21, "UC SEND middle packet.", [], true;
+    UC_SEND_LAST = 0x22, "UC SEND last packet.", [], true;
+    UC_SEND_LAST_WITH_IMMEDIATE = 0x23, "UC SEND last packet with immediate.", [imm], true;
+    UC_SEND_ONLY = 0x24, "UC SEND only packet.", [], true;
+    UC_SEND_ONLY_WITH_IMMEDIATE = 0x25, "UC SEND only packet with immediate.", [imm], true;
+    UC_RDMA_WRITE_FIRST = 0x26, "UC RDMA WRITE first packet.", [reth], true;
+    UC_RDMA_WRITE_MIDDLE = 0x27, "UC RDMA WRITE middle packet.", [], true;
+    UC_RDMA_WRITE_LAST = 0x28, "UC RDMA WRITE last packet.", [], true;
+    UC_RDMA_WRITE_LAST_WITH_IMMEDIATE = 0x29, "UC RDMA WRITE last packet with immediate.", [imm], true;
+    UC_RDMA_WRITE_ONLY = 0x2A, "UC RDMA WRITE only packet.", [reth], true;
+    UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x2B, "UC RDMA WRITE only packet with immediate.", [reth, imm], true;
+    UD_SEND_ONLY = 0x64, "UD SEND only packet (also the CM MADs on QP1).", [deth], true;
+    UD_SEND_ONLY_WITH_IMMEDIATE = 0x65, "UD SEND only packet with immediate.", [deth, imm], true;
     CNP = 0x81, "Congestion notification packet (rocev2-reference §10).", [cnp], false;
 }
 
 impl Opcode {
-    /// True for packets a requester sends (SEND, WRITE, READ request, atomics).
+    /// True for RC packets a requester sends (SEND, WRITE, READ request, atomics).
     pub fn is_request(self) -> bool {
         self.0 <= 0x0C || self.0 == 0x13 || self.0 == 0x14 || self.0 == 0x16 || self.0 == 0x17
     }
+
+    /// The transport: bits 7:5 of the opcode (IBTA 9.2.3).
+    pub fn transport(self) -> Transport {
+        match self.0 >> 5 {
+            0 => Transport::Rc,
+            1 => Transport::Uc,
+            2 => Transport::Rd,
+            3 => Transport::Ud,
+            4 => Transport::Cnp,
+            5 => Transport::Xrc,
+            _ => Transport::Reserved,
+        }
+    }
+}
+
+/// The transport an opcode belongs to (IBTA 9.2.3; 100b is RoCEv2's CNP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Reliable connection.
+    Rc,
+    /// Unreliable connection.
+    Uc,
+    /// Reliable datagram.
+    Rd,
+    /// Unreliable datagram.
+    Ud,
+    /// Congestion notification (RoCEv2 annex A17).
+    Cnp,
+    /// Extended reliable connection.
+    Xrc,
+    /// Reserved.
+    Reserved,
 }
 
 impl fmt::Debug for Opcode {
@@ -140,7 +191,27 @@ mod tests {
             0
         );
         assert!(Opcode(0x15).layout().is_none());
-        assert_eq!(Opcode::ALL.len(), 24);
+        // 24 RC (with the CNP), 12 UC, 2 UD.
+        assert_eq!(Opcode::ALL.len(), 38);
+        assert_eq!(Opcode::UD_SEND_ONLY.layout().unwrap().ext_len(), 8);
+        assert_eq!(
+            Opcode::UD_SEND_ONLY_WITH_IMMEDIATE
+                .layout()
+                .unwrap()
+                .ext_len(),
+            12
+        );
+        assert_eq!(
+            Opcode::UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE
+                .layout()
+                .unwrap()
+                .ext_len(),
+            20
+        );
+        assert_eq!(Opcode::UC_SEND_FIRST.transport(), Transport::Uc);
+        assert_eq!(Opcode::UD_SEND_ONLY.transport(), Transport::Ud);
+        assert_eq!(Opcode::CNP.transport(), Transport::Cnp);
+        assert!(!Opcode::UC_SEND_ONLY.is_request());
         assert_eq!(format!("{:?}", Opcode::CNP), "CNP(0x81)");
     }
 }

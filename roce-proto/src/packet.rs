@@ -105,6 +105,18 @@ impl Bth {
     }
 }
 
+/// Datagram extended transport header of UD packets (IBTA 9.3.3): the
+/// receiver's Q_Key and the sender's QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deth {
+    /// Queue key.
+    pub qkey: u32,
+    /// Reserved byte, kept as received.
+    pub resv8: u8,
+    /// Source QP number (24 bits).
+    pub src_qp: u32,
+}
+
 /// RDMA extended transport header: target of a WRITE or READ (rocev2-reference §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reth {
@@ -206,6 +218,8 @@ pub struct AtomicEth {
 pub struct Packet {
     /// Base transport header.
     pub bth: Bth,
+    /// DETH, for UD packets.
+    pub deth: Option<Deth>,
     /// RETH, for WRITE FIRST/ONLY and READ REQUEST.
     pub reth: Option<Reth>,
     /// AtomicETH, for COMPARE_SWAP and FETCH_ADD.
@@ -268,6 +282,7 @@ impl Packet {
     pub fn new(bth: Bth) -> Packet {
         Packet {
             bth,
+            deth: None,
             reth: None,
             atomic_eth: None,
             aeth: None,
@@ -307,7 +322,15 @@ impl Packet {
         }
         let mut p = Packet::new(bth);
         let mut o = BTH_LEN;
-        // Wire order (rocev2-reference §3): RETH | AtomicETH | AETH | AtomicAckETH | ImmDt | IETH.
+        // Wire order (rocev2-reference §3): DETH | RETH | AtomicETH | AETH | AtomicAckETH | ImmDt | IETH.
+        if layout.deth {
+            p.deth = Some(Deth {
+                qkey: u32_at(b, o),
+                resv8: b[o + 4],
+                src_qp: u32_at(b, o + 4) & 0x00FF_FFFF,
+            });
+            o += 8;
+        }
         if layout.reth {
             p.reth = Some(Reth {
                 va: u64_at(b, o),
@@ -365,6 +388,10 @@ impl Packet {
     /// written as stored; use [`Packet::finish`] to set it from the payload.
     pub fn encode(&self, out: &mut Vec<u8>) {
         self.bth.encode(out);
+        if let Some(d) = &self.deth {
+            out.put_u32(d.qkey);
+            out.put_u32(u32::from(d.resv8) << 24 | (d.src_qp & 0x00FF_FFFF));
+        }
         if let Some(r) = &self.reth {
             out.put_u64(r.va);
             out.put_u32(r.rkey);
@@ -440,6 +467,11 @@ mod tests {
                     ) = (se, m, pkey, fecn, becn, a);
                     let l = op.layout().unwrap();
                     let mut p = Packet::new(bth);
+                    p.deth = l.deth.then_some(Deth {
+                        qkey: rkey,
+                        resv8: syn,
+                        src_qp: imm & 0xFF_FFFF,
+                    });
                     p.reth = l.reth.then_some(Reth {
                         va,
                         rkey,

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use bytes::Bytes;
 use rdmx_roce_proto::pcap::{read_capture, CaptureWriter};
-use rdmx_roce_proto::{Aeth, AtomicEth, Bth, FramePath, Opcode, Packet, Reth, RoceFrame};
+use rdmx_roce_proto::{Aeth, AtomicEth, Bth, Deth, FramePath, Opcode, Packet, Reth, RoceFrame};
 
 fn sample_frames() -> Vec<RoceFrame> {
     let mut out = Vec::new();
@@ -23,6 +23,11 @@ fn sample_frames() -> Vec<RoceFrame> {
             bth.ack_req = n % 2 == 0;
             bth.becn = op == Opcode::CNP;
             let mut p = Packet::new(bth);
+            p.deth = l.deth.then_some(Deth {
+                qkey: 0x8001_0000 + n,
+                resv8: 0,
+                src_qp: 0x40 + n,
+            });
             p.reth = l.reth.then_some(Reth {
                 va: 0x7f00_0000_1000 + u64::from(n) * 8,
                 rkey: 0xabc0_0000 + n,
@@ -213,6 +218,8 @@ fn tshark_decodes_what_we_encode() {
         "infiniband.aeth.msn",
         "infiniband.immdt",
         "infiniband.invariant.crc",
+        "infiniband.deth.q_key",
+        "infiniband.deth.srcqp",
     ];
     let rows = tshark_fields(&path, &fields);
     assert_eq!(rows.len(), frames.len());
@@ -234,6 +241,13 @@ fn tshark_decodes_what_we_encode() {
         }
         if let Some(a) = p.aeth {
             assert_eq!(num(&row[8]), u64::from(a.msn), "{ctx}");
+        }
+        if let Some(d) = p.deth {
+            assert_eq!(
+                (num(&row[11]), num(&row[12])),
+                (u64::from(d.qkey), u64::from(d.src_qp)),
+                "{ctx}"
+            );
         }
         if let Some(v) = p.imm {
             // Printed as bare hex, once per ImmDt field tshark defines.

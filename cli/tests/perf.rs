@@ -522,10 +522,37 @@ fn errors_are_printed_once_without_colour() {
     assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
     let help = rdmx().arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
-    for sub in ["perf", "pcap", "soak", "doctor", "kv"] {
+    for sub in ["perf", "pcap", "soak", "doctor", "kv", "pingpong"] {
         assert!(
             help.contains(&format!("\n  {sub} ")),
             "{sub} missing from\n{help}"
         );
+    }
+}
+
+/// `rdmx pingpong` refuses what ibv_rc_pingpong could not do, before touching
+/// the network; the exchange itself runs against ibv_rc_pingpong on rxe in
+/// the testbed (testbed/tests.sh pingpong).
+#[test]
+fn pingpong_refuses_bad_arguments() {
+    for (args, want) in [
+        (
+            &["--mtu", "1000"][..],
+            "--mtu 1000: use 256, 512, 1024, 2048 or 4096",
+        ),
+        (
+            &["--iters", "0"][..],
+            "--iters and --rx-depth must be at least 1",
+        ),
+    ] {
+        let out = rdmx()
+            .arg("pingpong")
+            .arg("127.0.0.1")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
     }
 }

@@ -232,8 +232,8 @@ gbn = {p: soak(f"soak_gbn_{p}") for p in (0, 1, 10, 50)}
 tcp0 = soak("soak_tcp_0")
 if sr[0]:
     w("## Goodput under packet loss (two namespaces, veth, nftables)\n")
-    w("`rdmx soak` moves a write / read-back / send mix with every byte checked by SHA-256, one "
-      "1 MiB operation at a time, between two network namespaces joined by a veth pair "
+    w("`rdmx soak` moves a mix of writes read back, writes with immediate, sends and atomics, "
+      "with every byte and returned value checked, one 1 MiB operation at a time, between two network namespaces joined by a veth pair "
       "(MTU 1500, so RoCE path MTU 1024). nftables drops the given share of UDP 4791 packets "
       "in each direction. Selective repeat is rdmx's negotiated extension; go-back-N is what "
       "NICs speak. GSO is off on the veth so that nftables sees single packets; that costs "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # testbed/guest.sh [options] -- COMMAND [ARG...]     (or: -c 'shell string')
 # Boot a throw-away QEMU guest on Debian's kernel whose root is this host's /
-# (read-only over virtio-9p, writes go to a tmpfs), run COMMAND in the
+# (read-only over virtio-9p, writes go to a tmpfs overlay), run COMMAND in the
 # caller's directory, print its output, exit with its status (124: timeout,
 # 125: the guest failed before or around the command). Needs root.
 #
@@ -39,7 +39,8 @@ while (($#)); do
   esac
 done
 ((${#CMD[@]})) || { echo "guest.sh: no command" >&2; exit 2; }
-[[ -s $DIR/kver ]] || "$HERE/prepare.sh" "$DIR" >/dev/null
+# (Re)prepare when never done, or when init.sh changed since the initramfs was made.
+[[ -s $DIR/kver && $DIR/initrd.gz -nt $HERE/init.sh ]] || "$HERE/prepare.sh" "$DIR" >/dev/null
 
 if [[ -w /dev/kvm && ! -d /sys/module/kvm_pvm ]]; then
   ACCEL=(-accel kvm -cpu host)

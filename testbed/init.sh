@@ -28,7 +28,6 @@ mkdir -p $R/dev/pts $R/dev/shm
 mount -t devpts devpts $R/dev/pts
 mount -t tmpfs tmpfs $R/dev/shm
 mount -t tmpfs tmpfs $R/run          # not the host's /run
-mount -t tmpfs tmpfs $R/tmp
 mount -t 9p -o "$P9,ro,cache=loose" modules /mods || fail "mount modules"
 mkdir -p $R/lib/modules && mount --bind /mods $R/lib/modules
 mkdir -p "$R$TESTBED_RUN" && mount --bind /run "$R$TESTBED_RUN"

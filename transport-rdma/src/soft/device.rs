@@ -739,8 +739,8 @@ impl GsoRun {
     }
 }
 
-/// Recompute the ICRC at the end of RoCEv2 UDP payload `d` for IPv4
-/// Identification `id`.
+/// Write the ICRC into the last 4 bytes of RoCEv2 UDP payload `d` (BTH …
+/// pad, ICRC), computed for IPv4 Identification `id` (rocev2-reference §9).
 fn reseal_icrc(d: &mut [u8], src: SocketAddr, dst: SocketAddr, id: u16) {
     let n = d.len() - 4;
     let (ip, udp) = headers(src, dst, 8 + d.len(), id);
@@ -753,10 +753,8 @@ fn reseal_icrc(d: &mut [u8], src: SocketAddr, dst: SocketAddr, id: u16) {
 fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, id: u16, out: &mut Vec<u8>) {
     let start = out.len();
     pkt.encode(out);
-    let t_len = out.len() - start;
-    let (ip, udp) = headers(src, dst, 8 + t_len + 4, id);
-    let crc = icrc::compute(&ip, &udp, &out[start..]);
-    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    reseal_icrc(&mut out[start..], src, dst, id);
 }
 
 /// Exact IPv4 sending: our own IP header through a raw socket (IPPROTO_RAW,
@@ -905,12 +903,11 @@ impl SoftQp {
             if let Some(p) = &pkt {
                 let start = inner.out.len();
                 p.encode(&mut inner.out);
-                let size = inner.out.len() - start + 4;
+                inner.out.extend_from_slice(&[0; 4]);
+                let size = inner.out.len() - start;
                 // The Identification the kernel will give this datagram.
                 let id = run.next_id(size);
-                let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
-                let crc = icrc::compute(&ip, &udp, &inner.out[start..]);
-                inner.out.extend_from_slice(&crc.to_le_bytes());
+                reseal_icrc(&mut inner.out[start..], tx.local, peer.addr, id);
                 inner.segs.push(size);
                 if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };

@@ -15,9 +15,16 @@
 #   pingpong         rdma-core's ibv_rc_pingpong in a guest (on rxe) against
 #                    `rdmx pingpong` (soft engine) on the host, both roles,
 #                    several sizes; every echoed message checked
+#   perftest         unmodified perftest (ib_write_bw, ib_read_bw, ib_send_bw,
+#                    ib_atomic_bw with FETCH_AND_ADD and CMP_AND_SWAP,
+#                    ib_write_lat) in a guest on rxe against `rdmx perf
+#                    --perftest` (soft engine) on the host, both roles; both
+#                    ends must complete and report, rdmx checks what it can
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
-#                    both ends, a lossy run) and soft<->rxe: `rdmx pcap check`
-#                    verifies every packet, and every opcode must be there
+#                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
+#                    one; perftest with RNR NAKs; rc_pingpong and sends with
+#                    immediate): `rdmx pcap check` verifies every packet, and
+#                    every opcode must be there
 #
 # Builds it uses (CI makes them; so can you):
 #   cargo build --release -p rdmx-cli --features hw
@@ -204,7 +211,8 @@ capture() {
 }
 
 # check_capture FILE OPCODE...: `rdmx pcap check` passes, and each opcode
-# (as the summary names it; "NAK" for a sequence NAK) is in it
+# (as the summary names it; "NAK" for a sequence NAK, "RNR" for an RNR NAK)
+# is in it
 check_capture() {
   local f=$1; shift
   "$RDMX" pcap check -v "$f" > "$f.check" 2>&1 || { grep -v 'icrc ok$' "$f.check" | tail; return 1; }
@@ -213,6 +221,7 @@ check_capture() {
   for op in "$@"; do
     case $op in
       NAK) grep -q 'aeth=Nak(PsnSequenceError)' "$f.check" || missing+=" $op" ;;
+      RNR) grep -q 'aeth=RnrNak' "$f.check" || missing+=" $op" ;;
       *) grep -qE "^  $op( |$)" "$f.check" || missing+=" $op" ;;
     esac
   done
@@ -265,6 +274,31 @@ t_captures() {
     RDMA_READ_RESPONSE_FIRST RDMA_READ_RESPONSE_MIDDLE RDMA_READ_RESPONSE_LAST \
     RDMA_READ_RESPONSE_ONLY ACKNOWLEDGE ATOMIC_ACKNOWLEDGE COMPARE_SWAP FETCH_ADD \
     NAK || fails=$((fails + 1))
+  # soft (host) <-> rxe (guest) under unmodified verbs programs: ib_send_bw
+  # with two receives posted against rdmx's window of 64 sends (RNR NAKs),
+  # then ibv_rc_pingpong against `rdmx pingpong --imm` (sends with immediate)
+  net_up
+  soft_rxe_verbs() {
+    guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -c \
+      "ib_send_bw -d rxe0 -x 1 -r 2 -s 64 -n 150 && ibv_rc_pingpong -d rxe0 -g 1 -s 64 -n 10 &&
+       ibv_rc_pingpong -d rxe0 -g 1 -s 3000 -n 10" > "$OUT/soft-rxe-verbs.guest" 2>&1 &
+    local g=$! c i rc=0
+    for c in "perf --perftest 198.18.0.2 --op send --mode bw --sizes 64 --iters 150 --window 64" \
+             "pingpong 198.18.0.2 --imm --size 64 --iters 10" \
+             "pingpong 198.18.0.2 --imm --size 3000 --iters 10"; do
+      for i in $(seq 120); do
+        ns "$RDMX" $c >> "$OUT/soft-rxe-verbs.host" 2>&1 && break
+        grep -q "connect failed" "$OUT/soft-rxe-verbs.host" || { rc=1; break; }
+        sleep 0.5
+      done
+    done
+    wait "$g" && ((rc == 0))
+  }
+  : > "$OUT/soft-rxe-verbs.host"
+  capture soft-rxe-verbs soft_rxe_verbs || { tail "$OUT/soft-rxe-verbs.host"; fails=$((fails + 1)); }
+  cleanup
+  check_capture "$OUT/soft-rxe-verbs.pcapng" SEND_ONLY SEND_FIRST SEND_MIDDLE SEND_LAST \
+    SEND_ONLY_WITH_IMMEDIATE SEND_LAST_WITH_IMMEDIATE ACKNOWLEDGE RNR NAK || fails=$((fails + 1))
   ((fails == 0))
 }
 
@@ -306,7 +340,65 @@ t_pingpong() {
   ((fails == 0))
 }
 
-ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong captures"
+# perftest_case TAG "PERFTEST ARGS" "RDMX PERF ARGS" SIZE ITERS: perftest
+# serves in a guest and `rdmx perf --perftest` connects from the host, then
+# rdmx serves (--perftest-server) and perftest connects from the guest. Both
+# ends must exit 0 and print the run's result line (SIZE and ITERS); rdmx's
+# data check must pass (it prints "checked:" where it has one).
+perftest_case() {
+  local tag=$1 pt=$2 args=$3 size=$4 iters=$5 fails=0 i
+  local row="^ *$size +$iters +"
+  net_up
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -c \
+    "$pt -d rxe0 -x 1; echo perftest exit \$?" > "$OUT/perftest-$tag.guest-server" 2>&1 &
+  local g=$!
+  for i in $(seq 120); do
+    ns "$RDMX" perf --perftest 198.18.0.2 $args > "$OUT/perftest-$tag.host-client" 2>&1 && break
+    # the guest may still be booting: retry only what never connected
+    grep -q "connect failed" "$OUT/perftest-$tag.host-client" || { fails=1; break; }
+    sleep 0.5
+  done
+  wait "$g"
+  grep -q "perftest exit 0" "$OUT/perftest-$tag.guest-server" || fails=1
+  grep -Eq "$row" "$OUT/perftest-$tag.guest-server" || fails=1
+  grep -Eq "$row" "$OUT/perftest-$tag.host-client" || fails=1
+  grep -q "checked:" "$OUT/perftest-$tag.host-client" || fails=1
+  printf '%-22s perftest serves:  %s | rdmx: %s\n' "$tag" \
+    "$(grep -E "$row" "$OUT/perftest-$tag.guest-server" | tail -1 | tr -s ' \t' ' ')" \
+    "$(grep "checked:" "$OUT/perftest-$tag.host-client")"
+  cleanup
+  net_up
+  bg "$RDMX" perf --perftest-server $args > "$OUT/perftest-$tag.host-server" 2>&1
+  local srv=${BG[-1]}
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -c \
+    "$pt -d rxe0 -x 1 198.18.0.1; echo perftest exit \$?" > "$OUT/perftest-$tag.guest-client" 2>&1
+  wait "$srv" || fails=1
+  grep -q "perftest exit 0" "$OUT/perftest-$tag.guest-client" || fails=1
+  grep -Eq "$row" "$OUT/perftest-$tag.guest-client" || fails=1
+  grep -Eq "$row" "$OUT/perftest-$tag.host-server" || fails=1
+  printf '%-22s rdmx serves:      %s | rdmx: %s\n' "$tag" \
+    "$(grep -E "$row" "$OUT/perftest-$tag.guest-client" | tail -1 | tr -s ' \t' ' ')" \
+    "$(grep "checked:" "$OUT/perftest-$tag.host-server" || echo "completed")"
+  cleanup
+  return $fails
+}
+
+t_perftest() {
+  local fails=0
+  perftest_case write_bw-64k "ib_write_bw -s 65536 -n 200" "--op write --mode bw --sizes 64k --iters 200" 65536 200 || fails=$((fails + 1))
+  perftest_case write_bw-1m "ib_write_bw -s 1048576 -n 20" "--op write --mode bw --sizes 1m --iters 20" 1048576 20 || fails=$((fails + 1))
+  perftest_case read_bw-64k "ib_read_bw -s 65536 -n 200" "--op read --mode bw --sizes 64k --iters 200" 65536 200 || fails=$((fails + 1))
+  perftest_case read_bw-1m "ib_read_bw -s 1048576 -n 20" "--op read --mode bw --sizes 1m --iters 20" 1048576 20 || fails=$((fails + 1))
+  perftest_case send_bw-64k "ib_send_bw -s 65536 -n 200" "--op send --mode bw --sizes 64k --iters 200" 65536 200 || fails=$((fails + 1))
+  perftest_case send_bw-2 "ib_send_bw -s 2 -n 1000" "--op send --mode bw --sizes 2 --iters 1000" 2 1000 || fails=$((fails + 1))
+  perftest_case atomic_bw-faa "ib_atomic_bw -n 500" "--op faa --mode bw --sizes 8 --iters 500" 8 500 || fails=$((fails + 1))
+  perftest_case atomic_bw-cas "ib_atomic_bw -A CMP_AND_SWAP -n 500" "--op cas --mode bw --sizes 8 --iters 500" 8 500 || fails=$((fails + 1))
+  perftest_case write_lat-2 "ib_write_lat -s 2 -n 300" "--op write --mode lat --sizes 2 --iters 300" 2 300 || fails=$((fails + 1))
+  perftest_case write_lat-4k "ib_write_lat -s 4096 -n 300" "--op write --mode lat --sizes 4k --iters 300" 4096 300 || fails=$((fails + 1))
+  ((fails == 0))
+}
+
+ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest captures"
 TESTS=${*:-$ALL}
 failed=()
 for t in $TESTS; do

@@ -19,6 +19,7 @@ mod doctor;
 mod kv;
 mod pcap;
 mod perf;
+mod perftest;
 mod pingpong;
 mod plot;
 mod raw;
@@ -58,8 +59,28 @@ enum Cmd {
     Pingpong(pingpong::PingpongArgs),
 }
 
+/// `rdmx doctor | head`: a reader that goes away ends the program quietly
+/// with the status a C tool killed by SIGPIPE has (141), instead of a panic
+/// (Rust ignores SIGPIPE, so `println!` to a closed pipe panics).
+fn exit_quietly_when_stdout_closes() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> std::process::ExitCode {
     use std::io::IsTerminal;
+    exit_quietly_when_stdout_closes();
     tracing_subscriber::fmt()
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(

@@ -29,7 +29,9 @@ const SINK: u8 = 0;
     k, m, g suffixes in powers of 1024 (4k = 4096 bytes).\n\n\
     Examples:\n  rdmx perf --loopback --baseline raw-tcp\n  \
     rdmx perf server --listen 0.0.0.0:7471 --raw-baseline --metrics 127.0.0.1:9471\n  \
-    rdmx perf client tcp://198.18.0.1:7471 --op write,read --json --baseline raw-tcp\n\n\
+    rdmx perf client tcp://198.18.0.1:7471 --op write,read --json --baseline raw-tcp\n  \
+    rdmx perf --perftest 198.18.0.2 --op write --mode bw --sizes 64k --iters 1000   \
+    (against `ib_write_bw -x 1 -s 65536 -n 1000` there)\n\n\
     With --raw-baseline the server also serves the raw-TCP baseline on the next port \
     (7472 for 7471), behind the same --secret."
 )]
@@ -99,6 +101,18 @@ pub(crate) struct PerfArgs {
     /// Only for RDMA runs.
     #[arg(long)]
     capture: Option<String>,
+    /// Run against unmodified perftest on HOST instead (ib_write_bw, ib_read_bw,
+    /// ib_send_bw, ib_atomic_bw or ib_write_lat waiting there as a server), on
+    /// the soft RoCEv2 engine: one --op (write, read, send, faa, cas) with
+    /// --mode bw, or write with --mode lat; one size; --iters as perftest's -n.
+    #[arg(long, value_name = "HOST", conflicts_with = "perftest_server")]
+    perftest: Option<String>,
+    /// Wait for a perftest client (`ib_write_bw HOST` and the others) instead.
+    #[arg(long)]
+    perftest_server: bool,
+    /// TCP port of perftest's exchange (perftest -p).
+    #[arg(long, default_value_t = 18515)]
+    perftest_port: u16,
 }
 
 /// One region per connection is lent at most this much.
@@ -286,12 +300,37 @@ async fn raw_listener(addr: &str) -> Result<TcpListener, Error> {
         .map_err(|e| Error::Connect(format!("listen on {addr} (raw-tcp baseline): {e}")))
 }
 
+/// The perftest run `--perftest`/`--perftest-server` and the other flags name.
+fn perftest_run(a: &PerfArgs) -> Result<crate::perftest::PerftestRun, Error> {
+    let [op] = a.op.as_slice() else {
+        return Err(Error::InvalidArgument(
+            "--perftest runs one --op at a time, as perftest does".into(),
+        ));
+    };
+    let [size] = a.sizes.as_slice() else {
+        return Err(Error::InvalidArgument(
+            "--perftest runs one size (--sizes N, perftest's -s)".into(),
+        ));
+    };
+    Ok(crate::perftest::PerftestRun {
+        host: a.perftest.clone(),
+        port: a.perftest_port,
+        test: crate::perftest::Test::from_op(op.trim(), &a.mode)?,
+        size: parse_size(size)?,
+        iters: a.iters,
+        window: a.window,
+    })
+}
+
 /// Whether a run asks for RDMA (so `--capture` has packets to write).
 fn is_rdma(scheme: &str) -> bool {
     scheme != "tcp"
 }
 
 pub(crate) async fn run(a: PerfArgs) -> Result<(), Error> {
+    if a.perftest.is_some() || a.perftest_server {
+        return crate::perftest::run(perftest_run(&a)?).await;
+    }
     let secret: Option<Arc<[u8]>> = a.secret.as_deref().map(|s| Arc::from(s.as_bytes()));
     let busy = a.busy_poll_us.map(Duration::from_micros);
     if a.loopback {

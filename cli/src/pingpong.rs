@@ -52,6 +52,10 @@ pub(crate) struct PingpongArgs {
     /// Server: address to listen on.
     #[arg(long, default_value = "0.0.0.0")]
     listen: IpAddr,
+    /// Send each message with immediate data (its number): SEND_*_WITH_IMMEDIATE
+    /// on the wire, which rc_pingpong receives like any other message.
+    #[arg(long)]
+    imm: bool,
 }
 
 /// The exchange message: `LID:QPN:PSN:GID`, NUL-terminated (52 bytes).
@@ -227,7 +231,7 @@ pub(crate) async fn run(a: PingpongArgs) -> Result<(), Error> {
             wr_id: 1 << 40 | k,
             op: SendOp::Send {
                 sg: vec![pattern(k, a.size)],
-                imm: None,
+                imm: a.imm.then_some(k as u32),
             },
         })
     };

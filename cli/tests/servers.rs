@@ -244,3 +244,20 @@ fn soak_reports_partial_progress_when_the_server_dies() {
     assert!(bytes >= 1 << 20, "{line}");
     assert!(stdout.contains("error: "), "{}", explain(&out));
 }
+
+/// `rdmx doctor | head -1`: when the reader goes away the tool stops quietly
+/// with SIGPIPE's shell status, 141, and no panic.
+#[test]
+fn a_closed_stdout_ends_the_tool_quietly() {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rdmx"))
+        .arg("doctor")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run rdmx");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}

@@ -263,3 +263,62 @@ fn soft_to_rxe_capture() {
     }
     assert!(has_psn_sequence_nak(&p), "no sequence NAK in the lossy run");
 }
+
+/// rdmx's soft engine (host) against unmodified verbs programs on Linux 6.1
+/// rxe (guest): `ib_send_bw -r 2` with `rdmx perf --perftest` keeping 64
+/// sends in flight (rxe answers with RNR NAKs), then `ibv_rc_pingpong`
+/// against `rdmx pingpong --imm` at 64 B and 3000 B (sends with immediate).
+#[test]
+fn soft_to_rxe_verbs_capture_has_rnr_naks_and_immediates() {
+    use rdmx_roce_proto::Syndrome;
+    let p = packets("soft_rxe_linux61_perftest_pingpong.pcapng");
+    assert_eq!(p.len(), 1255);
+    let seen: std::collections::BTreeSet<Opcode> = p.iter().map(|p| p.bth.opcode).collect();
+    for op in [
+        Opcode::SEND_FIRST,
+        Opcode::SEND_MIDDLE,
+        Opcode::SEND_LAST,
+        Opcode::SEND_ONLY,
+        Opcode::SEND_LAST_WITH_IMMEDIATE,
+        Opcode::SEND_ONLY_WITH_IMMEDIATE,
+        Opcode::ACKNOWLEDGE,
+    ] {
+        assert!(seen.contains(&op), "{op} missing");
+    }
+    // RNR NAKs carry perftest's min_rnr_timer (12), and the soft engine sends
+    // each NAK'd PSN again afterwards.
+    let rnr: Vec<(usize, u32)> = p
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| {
+            p.aeth
+                .is_some_and(|a| matches!(a.kind(), Syndrome::RnrNak { .. }))
+        })
+        .map(|(i, p)| {
+            assert_eq!(p.aeth.unwrap().kind(), Syndrome::RnrNak { timer: 12 });
+            (i, p.bth.psn)
+        })
+        .collect();
+    assert!(rnr.len() >= 10, "only {} RNR NAKs", rnr.len());
+    for (i, psn) in &rnr {
+        assert!(
+            p[i + 1..]
+                .iter()
+                .any(|q| q.bth.opcode == Opcode::SEND_ONLY && q.bth.psn == *psn),
+            "RNR-NAK'd PSN {psn:#x} (frame {i}) never sent again"
+        );
+    }
+    assert!(has_psn_sequence_nak(&p));
+    // rdmx pingpong --imm numbers its messages: immediates 0..9 in each run.
+    for op in [
+        Opcode::SEND_ONLY_WITH_IMMEDIATE,
+        Opcode::SEND_LAST_WITH_IMMEDIATE,
+    ] {
+        let imms: std::collections::BTreeSet<u32> = p
+            .iter()
+            .filter(|q| q.bth.opcode == op)
+            .map(|q| q.imm.expect("ImmDt"))
+            .collect();
+        assert_eq!(imms, (0..10).collect(), "{op}");
+    }
+}

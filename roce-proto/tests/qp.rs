@@ -990,3 +990,63 @@ fn resumed_read_takes_rxe_style_middle_and_last() {
         );
     }
 }
+
+/// max_rd_atomic: at most that many READs are in flight, counted from the
+/// oldest unfinished one; one that finished frees its slot at once, whether
+/// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the
+/// requests the responder must hold, not the completions).
+#[test]
+fn max_rd_atomic_bounds_reads_in_flight() {
+    use rdmx_roce_proto::{Aeth, Bth, Opcode, Packet};
+    let cfg = QpConfig {
+        pmtu: 256,
+        timeout: 10,
+        dcqcn: None,
+        max_rd_atomic: 2,
+        ..QpConfig::default()
+    };
+    let mut a = rdmx_roce_proto::Qp::new(cfg, 0x11);
+    a.connect(0x22, 100, 500).unwrap();
+    for wr in 1..=4u64 {
+        a.post_send(
+            wr,
+            WorkRequest::Read {
+                va: 0x1000 * wr,
+                rkey: 5,
+                len: 256,
+            },
+        )
+        .unwrap();
+    }
+    let sent = |a: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<u32> {
+        std::iter::from_fn(|| a.poll_transmit(now))
+            .map(|p| {
+                assert_eq!(p.bth.opcode, Opcode::RDMA_READ_REQUEST);
+                p.bth.psn
+            })
+            .collect()
+    };
+    assert_eq!(sent(&mut a, 0), [100, 101], "two READs in flight at most");
+    let resp = |psn: u32| {
+        let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_RESPONSE_ONLY, 0x11, psn));
+        p.aeth = Some(Aeth {
+            syndrome: 0x1F,
+            msn: 0,
+        });
+        p.payload = Bytes::from(vec![psn as u8; 256]);
+        p.finish();
+        p
+    };
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    // The first finishes (its completion not polled): one more may go.
+    a.handle_packet(1, &resp(100), false, &mut mem);
+    assert_eq!(sent(&mut a, 2), [102]);
+    a.handle_packet(3, &resp(101), false, &mut mem);
+    a.handle_packet(4, &resp(102), false, &mut mem);
+    assert_eq!(sent(&mut a, 5), [103]);
+    a.handle_packet(6, &resp(103), false, &mut mem);
+    let done: Vec<(u64, u8)> = std::iter::from_fn(|| a.poll_completion())
+        .map(|c| (c.wr_id, c.data[0]))
+        .collect();
+    assert_eq!(done, [(1, 100), (2, 101), (3, 102), (4, 103)]);
+}

@@ -20,6 +20,13 @@
 #                    ib_write_lat) in a guest on rxe against `rdmx perf
 #                    --perftest` (soft engine) on the host, both roles; both
 #                    ends must complete and report, rdmx checks what it can
+#   nvme-tcp         the Linux kernel's NVMe/TCP host in a guest against `rdmx
+#                    block serve` on the host: discover, connect, size, fio
+#                    with crc32c verify, mkfs.ext4, a tree of files with known
+#                    checksums, fsck clean, remount, disconnect and reconnect;
+#                    RAM, then a file with header and data digests and two I/O
+#                    queues; and the same checks against the kernel's own
+#                    nvmet-tcp target, to show the checks are right
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
 #                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
 #                    one; perftest with RNR NAKs; rc_pingpong and sends with
@@ -398,7 +405,54 @@ t_perftest() {
   ((fails == 0))
 }
 
-ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest captures"
+# nvme_case TAG "SERVE ARGS" BYTES "CONNECT OPTS" GUEST-OPTS...: `rdmx block
+# serve` on the host, testbed/nvme-checks.sh in a guest against it.
+nvme_case() {
+  local tag=$1 serve=$2 bytes=$3 opts=$4 nqn=nqn.2026-11.io.rdmx:testbed; shift 4
+  net_up
+  # shellcheck disable=SC2086
+  bg "$RDMX" block serve $serve --nqn "$nqn" --nvme-tcp 198.18.0.1:4420 \
+    --discovery 198.18.0.1:8009 --metrics 198.18.0.1:9500 > "$OUT/nvme-$tag.target" 2>&1
+  wait_tcp 198.18.0.1 4420 10 || { echo "target did not start"; cat "$OUT/nvme-$tag.target"; cleanup; return 1; }
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --modprobe nvme-tcp --timeout 600 "$@" -c \
+    "NVME_CONNECT_OPTS='$opts' $HERE/nvme-checks.sh 198.18.0.1 4420 8009 $nqn $bytes" \
+    > "$OUT/nvme-$tag.guest" 2>&1
+  local rc=$?
+  # The target counted the work: reads and writes on namespace 1.
+  ns python3 -c 'import urllib.request,sys; sys.stdout.write(urllib.request.urlopen("http://198.18.0.1:9500/metrics").read().decode())' \
+    > "$OUT/nvme-$tag.metrics"
+  cleanup
+  grep '^###' "$OUT/nvme-$tag.guest" | sed "s/^/$tag: /"
+  grep -E 'rdmx_block_bytes_total\{nsid="1",op="(read|write)"\}' "$OUT/nvme-$tag.metrics" | sed "s/^/$tag: /"
+  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nvme-$tag.guest" &&
+    grep -Eq 'rdmx_block_bytes_total\{nsid="1",op="write"\} [1-9]' "$OUT/nvme-$tag.metrics"
+}
+
+t_nvme-tcp() {
+  local fails=0 bytes=$((256 << 20))
+  nvme_case ram "--ram 256m" "$bytes" "" || fails=$((fails + 1))
+  rm -f "$OUT/nvme-ns.img"
+  if nvme_case file-digests-2q "--file $OUT/nvme-ns.img --size 256m" "$bytes" "-g -G -i 2" \
+    --smp 2; then
+    # both digests were negotiated, and the host made two I/O queues
+    grep -q 'mapped 2/0/0' "$OUT/nvme-file-digests-2q.guest" &&
+      grep -Eq 'rdmx_block_digest_connections_total\{kind="header"\} [1-9]' "$OUT/nvme-file-digests-2q.metrics" &&
+      grep -Eq 'rdmx_block_digest_connections_total\{kind="data"\} [1-9]' "$OUT/nvme-file-digests-2q.metrics" ||
+      { echo "file-digests-2q: no digests or not two queues"; fails=$((fails + 1)); }
+  else
+    fails=$((fails + 1))
+  fi
+  rm -f "$OUT/nvme-ns.img"
+  # the kernel's own target, same checks (loopback inside one guest)
+  guest --modprobe nvme-tcp --modprobe nvmet-tcp --timeout 600 -- \
+    "$HERE/nvmet-ref.sh" "$bytes" > "$OUT/nvme-nvmet-ref.guest" 2>&1
+  local rc=$?
+  grep '^###' "$OUT/nvme-nvmet-ref.guest" | sed "s/^/nvmet-ref: /"
+  { ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nvme-nvmet-ref.guest"; } || fails=$((fails + 1))
+  ((fails == 0))
+}
+
+ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp captures"
 TESTS=${*:-$ALL}
 failed=()
 for t in $TESTS; do

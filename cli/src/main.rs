@@ -6,6 +6,7 @@
 //! * `rdmx doctor` — RDMA devices, GIDs, limits and settings, with advice.
 //! * `rdmx soak` — a checked write/read/send mix over a path, with goodput
 //!   and protocol counters (retransmits, NAKs, CNPs).
+//! * `rdmx block serve` — the NVMe over Fabrics target (NVMe/TCP, discovery).
 //! * `rdmx kv` — the distributed cache: `server` (a node), `resp` (a Redis
 //!   protocol gateway), `bench` (the native client under a YCSB-style load).
 //!
@@ -15,6 +16,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod block;
 mod doctor;
 mod kv;
 mod pcap;
@@ -55,6 +57,8 @@ enum Cmd {
     Doctor(doctor::DoctorArgs),
     /// The distributed cache: nodes, the RESP (Redis) gateway, a benchmark.
     Kv(kv::KvArgs),
+    /// The NVMe over Fabrics target: namespaces over NVMe/TCP for the Linux kernel's host.
+    Block(block::BlockArgs),
     /// The peer of rdma-core's ibv_rc_pingpong (its exchange, on the soft engine).
     Pingpong(pingpong::PingpongArgs),
 }
@@ -105,6 +109,7 @@ fn main() -> std::process::ExitCode {
                 Cmd::Soak(a) => soak::run(a).await,
                 Cmd::Doctor(a) => doctor::run(a),
                 Cmd::Kv(a) => kv::run(a).await,
+                Cmd::Block(a) => block::run(a).await,
                 Cmd::Pingpong(a) => pingpong::run(a).await,
             }
         })

@@ -338,7 +338,9 @@ impl Target {
             });
             self.controllers.lock().insert(id, ctrl.clone());
             if kato > 0 {
-                tokio::spawn(keep_alive_timer(Arc::downgrade(self), ctrl.clone()));
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(keep_alive_timer(Arc::downgrade(self), ctrl.clone()));
+                }
             }
             tracing::info!(
                 cntlid = id,

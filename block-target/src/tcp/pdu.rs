@@ -450,6 +450,49 @@ pub fn check_h2c_header(ch: &CommonHeader, d: Digests, max_data: u32) -> Result<
     Ok(())
 }
 
+/// Where the parts of a checked host PDU lie, in bytes after its common
+/// header: the rest of the header (with its digest), padding, data, data
+/// digest. Every length here was bounded by [`check_h2c_header`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Header bytes after the common header, header digest included.
+    pub rest_of_header: usize,
+    /// Whether a header digest ends the header.
+    pub header_digest: bool,
+    /// Padding between the header and the data.
+    pub pad: usize,
+    /// Data bytes.
+    pub data: usize,
+    /// Whether a data digest follows the data.
+    pub data_digest: bool,
+    /// Bytes of a TermReq's copied header (read and dropped).
+    pub trailer: usize,
+}
+
+/// Check a host PDU's common header ([`check_h2c_header`]) and lay it out.
+pub fn h2c_layout(ch: &CommonHeader, d: Digests, max_data: u32) -> Result<Layout, Fatal> {
+    check_h2c_header(ch, d, max_data)?;
+    let term = ch.ptype == pdu_type::H2C_TERM_REQ;
+    let hd = if d.header && !term { 4 } else { 0 };
+    let head = ch.hlen as usize + hd;
+    let mut l = Layout {
+        rest_of_header: head - CH_LEN,
+        header_digest: hd == 4,
+        pad: 0,
+        data: 0,
+        data_digest: false,
+        trailer: 0,
+    };
+    if term {
+        l.trailer = ch.plen as usize - ch.hlen as usize;
+    } else if ch.pdo != 0 {
+        l.pad = ch.pdo as usize - head;
+        l.data = ch.plen as usize - ch.pdo as usize - d.dd();
+        l.data_digest = d.data;
+    }
+    Ok(l)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

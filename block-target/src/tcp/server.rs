@@ -403,40 +403,32 @@ async fn read_pdu(
         pdu_type::CAPSULE_CMD => MAX_IN_CAPSULE,
         _ => MAX_H2C_DATA,
     };
-    pdu::check_h2c_header(&ch, d, max_data).map_err(|f| ReadError::Fatal(f, chb.to_vec()))?;
-    let term = ch.ptype == pdu_type::H2C_TERM_REQ;
-    let hd = if d.header && !term { 4 } else { 0 };
-    let mut head = vec![0u8; ch.hlen as usize + hd];
+    let l = pdu::h2c_layout(&ch, d, max_data).map_err(|f| ReadError::Fatal(f, chb.to_vec()))?;
+    let mut head = vec![0u8; pdu::CH_LEN + l.rest_of_header];
     head[..8].copy_from_slice(&chb);
     rd.read_exact(&mut head[8..]).await?;
-    if hd == 4 {
-        let hl = ch.hlen as usize;
+    let hl = ch.hlen as usize;
+    if l.header_digest {
         let got = u32::from_le_bytes(head[hl..hl + 4].try_into().expect("4"));
         if got != pdu::digest(&head[..hl]) {
             head.truncate(hl);
             return Err(ReadError::Fatal(Fatal::status(fes::HEADER_DIGEST), head));
         }
-        head.truncate(hl);
     }
-    if term {
-        // The copy of our header it carries: read and drop.
-        let mut rest = vec![0u8; (ch.plen - u32::from(ch.hlen)) as usize];
+    head.truncate(hl);
+    if l.trailer > 0 {
+        // A TermReq's copy of our header: read and dropped.
+        let mut rest = vec![0u8; l.trailer];
         rd.read_exact(&mut rest).await?;
-        return Ok((ch, head, Bytes::new(), true));
     }
-    if ch.pdo == 0 {
-        return Ok((ch, head, Bytes::new(), true));
-    }
-    let pad = ch.pdo as usize - (ch.hlen as usize + hd);
-    if pad > 0 {
-        let mut p = vec![0u8; pad];
+    if l.pad > 0 {
+        let mut p = vec![0u8; l.pad];
         rd.read_exact(&mut p).await?;
     }
-    let len = (ch.plen - u32::from(ch.pdo)) as usize - d.dd();
-    let mut data = BytesMut::zeroed(len);
+    let mut data = BytesMut::zeroed(l.data);
     rd.read_exact(&mut data).await?;
     let mut ok = true;
-    if d.data {
+    if l.data_digest {
         let mut g = [0u8; 4];
         rd.read_exact(&mut g).await?;
         ok = u32::from_le_bytes(g) == pdu::digest(&data);

@@ -25,8 +25,10 @@
 #                    with crc32c verify, mkfs.ext4, a tree of files with known
 #                    checksums, fsck clean, remount, disconnect and reconnect;
 #                    RAM, then a file with header and data digests and two I/O
-#                    queues; and the same checks against the kernel's own
-#                    nvmet-tcp target, to show the checks are right
+#                    queues; the target killed (-9) mid-I/O and restarted:
+#                    the host reconnects and flushed data is intact; and the
+#                    same checks against the kernel's own nvmet-tcp target, to
+#                    show the checks are right
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
 #                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
 #                    one; perftest with RNR NAKs; rc_pingpong and sends with
@@ -428,6 +430,34 @@ nvme_case() {
     grep -Eq 'rdmx_block_bytes_total\{nsid="1",op="write"\} [1-9]' "$OUT/nvme-$tag.metrics"
 }
 
+# The target killed (-9) mid-I/O and restarted on the same file: the host
+# sees it go, reconnects, and the data it flushed before is intact.
+nvme_kill_case() {
+  local nqn=nqn.2026-11.io.rdmx:testbed img=$OUT/nvme-kill.img flags=$OUT/flag.nvme-kill
+  local serve=(block serve --file "$img" --size 256m --nqn "$nqn" --nvme-tcp 198.18.0.1:4420)
+  rm -rf "$img" "$flags"; mkdir -p "$flags"
+  net_up
+  bg "$RDMX" "${serve[@]}" > "$OUT/nvme-kill.target" 2>&1
+  local first=${BG[-1]}
+  wait_tcp 198.18.0.1 4420 10 || { cleanup; return 1; }
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --modprobe nvme-tcp --timeout 600 --rw "$flags" -- \
+    "$HERE/nvme-kill-guest.sh" 198.18.0.1 4420 "$nqn" "$flags" > "$OUT/nvme-kill.guest" 2>&1 &
+  local g=$! i
+  for i in $(seq 1200); do [[ -e $flags/flushed ]] && break; sleep 0.1; done
+  sleep 2                      # writes in flight now
+  kill -9 "$first"; wait "$first" 2>/dev/null
+  sleep 3                      # the host notices
+  bg "$RDMX" "${serve[@]}" >> "$OUT/nvme-kill.target" 2>&1
+  wait_tcp 198.18.0.1 4420 10
+  touch "$flags/restarted"
+  wait "$g"
+  local rc=$?
+  cleanup
+  rm -f "$img"
+  grep '^###' "$OUT/nvme-kill.guest" | sed "s/^/kill-9: /"
+  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nvme-kill.guest"
+}
+
 t_nvme-tcp() {
   local fails=0 bytes=$((256 << 20))
   nvme_case ram "--ram 256m" "$bytes" "" || fails=$((fails + 1))
@@ -443,6 +473,7 @@ t_nvme-tcp() {
     fails=$((fails + 1))
   fi
   rm -f "$OUT/nvme-ns.img"
+  nvme_kill_case || fails=$((fails + 1))
   # the kernel's own target, same checks (loopback inside one guest)
   guest --modprobe nvme-tcp --modprobe nvmet-tcp --timeout 600 -- \
     "$HERE/nvmet-ref.sh" "$bytes" > "$OUT/nvme-nvmet-ref.guest" 2>&1

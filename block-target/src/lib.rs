@@ -8,6 +8,10 @@
 //! * [`tcp`]: NVMe/TCP — ICReq/ICResp, capsules, in-capsule data,
 //!   R2T/H2CData, C2HData, header and data digests (CRC32C), and a discovery
 //!   controller when served on port 8009.
+//! * [`fabric`]: NVMe over rdmx — the NVMe-oF RDMA flow (command capsules
+//!   by SEND, data by one-sided READ and WRITE into the host's registered
+//!   memory) on any rdmx transport, and [`fabric::Initiator`], the host side
+//!   as an async block device.
 //! * [`metrics`]: operations, bytes and latency per namespace, errors,
 //!   queue depth and connections as Prometheus text.
 //!
@@ -27,6 +31,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod fabric;
 pub mod metrics;
 pub mod nvme;
 pub mod target;

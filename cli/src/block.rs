@@ -4,6 +4,7 @@
 //! rdmx block serve --ram 1g --nvme-tcp 0.0.0.0:4420 --discovery 0.0.0.0:8009
 //! nvme discover -t tcp -a 198.18.0.1 -s 8009          # on a Linux host
 //! nvme connect -t tcp -a 198.18.0.1 -s 4420 -n nqn.2026-11.io.rdmx:block
+//! rdmx block serve --ram 1g --rdmx rdma://0.0.0.0:4430   # NVMe over rdmx too
 //! ```
 
 use std::path::PathBuf;
@@ -48,6 +49,10 @@ enum BlockCmd {
         /// NVMe/TCP discovery controller address (8009 is the standard port).
         #[arg(long)]
         discovery: Option<String>,
+        /// Also serve NVMe over rdmx at this URL (rdma:// or tcp://): command
+        /// capsules by SEND, data by one-sided READ and WRITE.
+        #[arg(long)]
+        rdmx: Option<String>,
         /// The subsystem's NQN.
         #[arg(long, default_value = "nqn.2026-11.io.rdmx:block")]
         nqn: String,
@@ -68,6 +73,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             size,
             nvme_tcp,
             discovery,
+            rdmx,
             nqn,
             block_size,
             metrics,
@@ -130,6 +136,20 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
                     dl.local_addr().map_err(|e| Error::Connect(e.to_string()))?
                 );
                 tokio::spawn(rdmx_block::tcp::serve(dl, target.clone(), false));
+            }
+            if let Some(url) = rdmx {
+                let rl = crate::perf::transports()
+                    .listen(&url, &rdmx_core::Options::default())
+                    .await?;
+                eprintln!(
+                    "rdmx block: NVMe over rdmx on {}://{}{}",
+                    rl.transport(),
+                    rl.local_addr(),
+                    rl.fallback_reason()
+                        .map(|r| format!(" (TCP instead: {r})"))
+                        .unwrap_or_default()
+                );
+                tokio::spawn(rdmx_block::fabric::serve(rl, target.clone()));
             }
             rdmx_block::tcp::serve(l, target, true).await;
             Ok(())

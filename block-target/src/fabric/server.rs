@@ -1,0 +1,207 @@
+//! The target side of NVMe over rdmx.
+
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use rdmx_core::{Connection, Error, Listener, RemoteRegion};
+use tokio::task::JoinSet;
+
+use crate::nvme::command::{fabrics, sgl, Completion, Direction, Sqe, SQE_LEN};
+use crate::nvme::identify::{MAX_IN_CAPSULE, MAX_TRANSFER};
+use crate::nvme::status::Status;
+use crate::target::{Queue, Target};
+
+/// Serve NVMe over rdmx on `listener` until the process ends; a failed
+/// accept (a bad peer's handshake) never stops it.
+pub async fn serve(mut listener: Listener, target: Arc<Target>) {
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                let t = target.clone();
+                tokio::spawn(async move {
+                    t.stats.connections.fetch_add(1, Relaxed);
+                    t.stats.connections_total.fetch_add(1, Relaxed);
+                    let peer = conn.info().peer_addr;
+                    let r = queue(conn, t.clone()).await;
+                    t.stats.connections.fetch_sub(1, Relaxed);
+                    if let Err(e) = r {
+                        tracing::info!(peer = ?peer, error = %e, "NVMe over rdmx queue ended");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "NVMe over rdmx: accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Serve one queue (one connection) until the host closes it, breaks the
+/// protocol, or its controller goes.
+pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
+    let conn = Arc::new(conn);
+    let mut q = Queue::new(None);
+    let mut queue: Option<Arc<Queue>> = None;
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let sqhd = Arc::new(AtomicU32::new(0));
+    let result = loop {
+        let gone = async {
+            match &queue {
+                Some(qa) => {
+                    let mut g = qa.ctrl.as_ref().expect("connected").gone();
+                    let _ = g.wait_for(|&x| x).await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        // recv_message is cancel-safe: a message is taken whole or not at all.
+        let msg = tokio::select! {
+            m = conn.recv_message() => m,
+            _ = gone => break Ok(()),
+        };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(Error::Disconnected(_)) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        if msg.len() < SQE_LEN || msg.len() > SQE_LEN + MAX_IN_CAPSULE as usize {
+            target.stats.protocol_errors.fetch_add(1, Relaxed);
+            break Err(Error::Protocol(format!(
+                "a {}-byte message is not a command capsule (64 bytes and up to {} of data)",
+                msg.len(),
+                MAX_IN_CAPSULE
+            )));
+        }
+        let sqe = Sqe::parse(msg[..SQE_LEN].try_into().expect("64"));
+        let data = msg.slice(SQE_LEN..);
+        let Some(qa) = queue.clone() else {
+            let c = if sqe.is_fabrics() && sqe.fctype() == fabrics::CONNECT {
+                let c = match in_capsule(&sqe, &data) {
+                    Ok(()) => target.connect(&mut q, &sqe, &data),
+                    Err(s) => Completion::error(s),
+                };
+                if c.status.is_success() {
+                    let connected = std::mem::replace(&mut q, Queue::new(None));
+                    queue = Some(Arc::new(connected));
+                }
+                c
+            } else {
+                Completion::error(Status::COMMAND_SEQUENCE_ERROR)
+            };
+            let entries = queue.as_ref().map_or(1, |q| u32::from(q.sqsize) + 1);
+            respond(&conn, &sqhd, entries, q_id(&queue), sqe.cid, &c).await?;
+            continue;
+        };
+        while tasks.try_join_next().is_some() {}
+        if tasks.len() >= 2 * (usize::from(qa.sqsize) + 1) {
+            target.stats.protocol_errors.fetch_add(1, Relaxed);
+            break Err(Error::Protocol(format!(
+                "more than {} commands outstanding on a queue of {}",
+                tasks.len(),
+                u32::from(qa.sqsize) + 1
+            )));
+        }
+        let (t, c, h) = (target.clone(), conn.clone(), sqhd.clone());
+        tasks.spawn(async move {
+            t.stats.inflight.fetch_add(1, Relaxed);
+            let done = command(&t, &c, &qa, &sqe, data).await;
+            t.stats.inflight.fetch_sub(1, Relaxed);
+            let entries = u32::from(qa.sqsize) + 1;
+            if let Err(e) = respond(&c, &h, entries, qa.qid, sqe.cid, &done).await {
+                tracing::debug!(error = %e, "response not sent");
+            }
+        });
+    };
+    tasks.abort_all();
+    match &queue {
+        Some(qa) => target.queue_closed(qa),
+        None => target.queue_closed(&q),
+    }
+    result
+}
+
+fn q_id(q: &Option<Arc<Queue>>) -> u16 {
+    q.as_ref().map_or(0, |q| q.qid)
+}
+
+/// In-capsule data must be what SGL1 describes (an offset-0 Data Block).
+fn in_capsule(sqe: &Sqe, data: &Bytes) -> Result<(), Status> {
+    if sqe.sgl.id != sgl::DATA_BLOCK_OFFSET {
+        return Err(Status::SGL_TYPE_INVALID);
+    }
+    if sqe.sgl.addr != 0 {
+        return Err(Status::SGL_OFFSET_INVALID);
+    }
+    if sqe.sgl.len as usize != data.len() {
+        return Err(Status::SGL_LENGTH_INVALID);
+    }
+    Ok(())
+}
+
+/// Gather a command's data, run it, deliver its result data.
+async fn command(t: &Target, conn: &Connection, q: &Queue, sqe: &Sqe, in_cap: Bytes) -> Completion {
+    let keyed = matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE);
+    let remote = RemoteRegion {
+        addr: sqe.sgl.addr,
+        len: u64::from(sqe.sgl.len),
+        rkey: sqe.sgl.key,
+    };
+    if sqe.sgl.len > MAX_TRANSFER {
+        return Completion::error(Status::INVALID_FIELD);
+    }
+    let data = match (sqe.direction(), sqe.sgl.id) {
+        (_, sgl::DATA_BLOCK_OFFSET) => match in_capsule(sqe, &in_cap) {
+            Ok(()) => in_cap,
+            Err(s) => return Completion::error(s),
+        },
+        _ if !in_cap.is_empty() => return Completion::error(Status::SGL_OFFSET_INVALID),
+        (Direction::HostToController, _) if keyed && remote.len > 0 => {
+            // Pull the host's data with a one-sided READ.
+            match conn.read(remote).await {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::info!(error = %e, cid = sqe.cid, "READ of the host's data failed");
+                    return Completion::error(Status::DATA_TRANSFER_ERROR);
+                }
+            }
+        }
+        (_, _) if keyed || sqe.sgl.len == 0 => Bytes::new(),
+        _ => return Completion::error(Status::SGL_TYPE_INVALID),
+    };
+    let mut c = t.execute(q, sqe, data).await;
+    if c.status.is_success() && !c.data.is_empty() {
+        if !keyed {
+            return Completion::error(Status::SGL_TYPE_INVALID);
+        }
+        // Push the result with a one-sided WRITE before the response.
+        let n = c.data.len().min(remote.len as usize);
+        let out = c.data.slice(..n);
+        if let Err(e) = conn
+            .write(out, remote.slice(0, n as u64).expect("in range"))
+            .await
+        {
+            tracing::info!(error = %e, cid = sqe.cid, "WRITE of the result failed");
+            return Completion::error(Status::DATA_TRANSFER_ERROR);
+        }
+        c.data = Bytes::new();
+    }
+    c
+}
+
+/// SEND the response capsule: the CQE, SQ head advanced by one.
+async fn respond(
+    conn: &Connection,
+    sqhd: &AtomicU32,
+    entries: u32,
+    qid: u16,
+    cid: u16,
+    c: &Completion,
+) -> Result<(), Error> {
+    let head = sqhd.fetch_add(1, Relaxed).wrapping_add(1) % entries.max(1);
+    let mut b = BytesMut::with_capacity(16);
+    b.put_slice(&c.cqe(head as u16, qid, cid));
+    conn.send(b.freeze()).await
+}

@@ -12,6 +12,9 @@
 //!   by SEND, data by one-sided READ and WRITE into the host's registered
 //!   memory) on any rdmx transport, and [`fabric::Initiator`], the host side
 //!   as an async block device.
+//! * [`nbd`]: an NBD server (fixed newstyle, GO/INFO with block sizes,
+//!   structured replies, FLUSH, FUA, TRIM, WRITE_ZEROES, multi-conn) backed
+//!   by the Initiator, for nbd-client, qemu-img, nbdcopy and fio.
 //! * [`metrics`]: operations, bytes and latency per namespace, errors,
 //!   queue depth and connections as Prometheus text.
 //!
@@ -33,6 +36,7 @@
 pub mod backend;
 pub mod fabric;
 pub mod metrics;
+pub mod nbd;
 pub mod nvme;
 pub mod target;
 pub mod tcp;

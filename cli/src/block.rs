@@ -63,10 +63,79 @@ enum BlockCmd {
         #[arg(long)]
         metrics: Option<String>,
     },
+    /// Export a remote namespace over NBD, through NVMe over rdmx (for
+    /// nbd-client, qemu-img, qemu-io, nbdinfo, nbdcopy, fio's nbd engine).
+    #[command(after_help = "Example:\n  \
+        rdmx block serve --ram 1g --rdmx rdma://127.0.0.1:4430 &\n  \
+        rdmx block nbd --listen 127.0.0.1:10809 --target rdma://127.0.0.1:4430 &\n  \
+        qemu-img info nbd://127.0.0.1:10809/rdmx")]
+    Nbd {
+        /// Address for NBD clients.
+        #[arg(long, default_value = "127.0.0.1:10809")]
+        listen: String,
+        /// The target's NVMe over rdmx URL (rdma:// or tcp://).
+        #[arg(long)]
+        target: String,
+        /// The subsystem NQN.
+        #[arg(long, default_value = "nqn.2026-11.io.rdmx:block")]
+        nqn: String,
+        /// The namespace to export.
+        #[arg(long, default_value_t = 1)]
+        nsid: u32,
+        /// The export's name (the empty name works too).
+        #[arg(long, default_value = "rdmx")]
+        export: String,
+        /// NVMe I/O queues to the target (one connection each).
+        #[arg(long, default_value_t = 2)]
+        queues: u16,
+    },
 }
 
 pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
     match a.cmd {
+        BlockCmd::Nbd {
+            listen,
+            target,
+            nqn,
+            nsid,
+            export,
+            queues,
+        } => {
+            use rdmx_block::fabric::{BlockError, Initiator, InitiatorConfig};
+            let cfg = InitiatorConfig {
+                nqn,
+                nsid,
+                queues,
+                ..InitiatorConfig::default()
+            };
+            let dev = Initiator::connect(&crate::perf::transports(), &target, cfg)
+                .await
+                .map_err(|e| match e {
+                    BlockError::Transport(e) => e,
+                    other => Error::Connect(format!("{target}: {other}")),
+                })?;
+            let (t, p) = dev.transport();
+            eprintln!(
+                "rdmx block nbd: {} blocks of {} bytes from {target} ({t}, {p}), {} queues",
+                dev.blocks(),
+                dev.block_size(),
+                dev.queues()
+            );
+            let l = tokio::net::TcpListener::bind(&listen)
+                .await
+                .map_err(|e| Error::Connect(format!("listen on {listen}: {e}")))?;
+            eprintln!("rdmx block nbd: export {export:?} on {listen}");
+            rdmx_block::nbd::serve(
+                l,
+                Arc::new(dev),
+                rdmx_block::nbd::NbdConfig {
+                    export,
+                    ..Default::default()
+                },
+            )
+            .await;
+            Ok(())
+        }
         BlockCmd::Serve {
             ram,
             file,

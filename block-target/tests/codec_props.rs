@@ -3,6 +3,7 @@
 //! lays out only what fits in PLEN and the data limit.
 
 use proptest::prelude::*;
+use rdmx_block::nbd::proto::{InfoRequest, Request};
 use rdmx_block::nvme::command::{Completion, Sgl, Sqe};
 use rdmx_block::nvme::status::Status;
 use rdmx_block::tcp::pdu::{self, CommonHeader, Digests, IcReq};
@@ -64,6 +65,29 @@ proptest! {
             prop_assert_eq!(total, c.plen as usize);
             prop_assert!(l.data as u64 <= u64::from(max));
             prop_assert!(l.rest_of_header + 8 >= c.hlen as usize);
+        }
+    }
+
+    #[test]
+    fn nbd_request_round_trips(flags: u16, kind: u16, cookie: u64, offset: u64, length: u32) {
+        let r = Request { flags, kind, cookie, offset, length };
+        prop_assert_eq!(Request::parse(&r.encode()), Some(r));
+    }
+
+    #[test]
+    fn nbd_info_request_round_trips(name in "[a-z0-9:]{0,40}", reqs in proptest::collection::vec(any::<u16>(), 0..8)) {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&(reqs.len() as u16).to_be_bytes());
+        for r in &reqs {
+            d.extend_from_slice(&r.to_be_bytes());
+        }
+        let got = InfoRequest::parse(&d).unwrap();
+        prop_assert_eq!(got.name, name);
+        prop_assert_eq!(got.requests, reqs);
+        // Any cut of it is refused, never misread.
+        for cut in 0..d.len() {
+            prop_assert!(InfoRequest::parse(&d[..cut]).is_none());
         }
     }
 

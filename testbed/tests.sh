@@ -29,6 +29,10 @@
 #                    the host reconnects and flushed data is intact; and the
 #                    same checks against the kernel's own nvmet-tcp target, to
 #                    show the checks are right
+#   nbd              the kernel's NBD client (nbd-client) in a guest against
+#                    `rdmx block nbd` on the host, whose namespace is reached
+#                    by NVMe over rdmx on soft RoCE: O_DIRECT data, ext4 with
+#                    checksummed files, fsck clean
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
 #                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
 #                    one; perftest with RNR NAKs; rc_pingpong and sends with
@@ -483,7 +487,25 @@ t_nvme-tcp() {
   ((fails == 0))
 }
 
-ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp captures"
+t_nbd() {
+  local bytes=$((256 << 20))
+  net_up
+  bg "$RDMX" block serve --ram 256m --nvme-tcp 198.18.0.1:4420 --rdmx rdma://198.18.0.1:4430 \
+    > "$OUT/nbd.target" 2>&1
+  wait_tcp 198.18.0.1 4420 10 || { cleanup; return 1; }
+  bg "$RDMX" block nbd --listen 198.18.0.1:10809 --target rdma://198.18.0.1:4430 > "$OUT/nbd.export" 2>&1
+  wait_tcp 198.18.0.1 10809 20 || { cat "$OUT/nbd.export"; cleanup; return 1; }
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --modprobe nbd --timeout 600 -- \
+    "$HERE/nbd-checks.sh" 198.18.0.1 10809 rdmx "$bytes" > "$OUT/nbd.guest" 2>&1
+  local rc=$?
+  cleanup
+  grep "^rdmx block nbd" "$OUT/nbd.export"
+  grep '^###' "$OUT/nbd.guest"
+  # the export reached its namespace over soft RoCE, not a fallback
+  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nbd.guest" && grep -q '(rdma, ' "$OUT/nbd.export"
+}
+
+ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp nbd captures"
 TESTS=${*:-$ALL}
 failed=()
 for t in $TESTS; do

@@ -396,4 +396,94 @@ if any(kv.values()):
                    a["node_cpu_s_per_m_gets"] < b["node_cpu_s_per_m_gets"])
     w("")
 
+# --- Block storage (rdmx-block) ---------------------------------------------
+def fio_point(name):
+    t = read(name, "out")
+    if not t:
+        return None
+    try:
+        j = json.loads(t[t.index("{"):])["jobs"][0]
+    except (ValueError, KeyError, IndexError):
+        return None
+    side = j["read"] if j["read"]["io_bytes"] > 0 else j["write"]
+    pct = side.get("clat_ns", {}).get("percentile", {})
+    return {"iops": side["iops"], "mbs": side["bw_bytes"] / 1e6,
+            "p50": pct.get("50.000000", 0) / 1000.0}
+
+
+def native_point(name):
+    r = rdmx(name)
+    return r[0] if r else None
+
+
+def med(vals):
+    vals = sorted(v for v in vals if v is not None)
+    if not vals:
+        return None, None
+    m = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    return m, (vals[-1] - vals[0]) / m * 100 if m else 0.0
+
+
+BLOCK_JOBS = [("rr4k_qd1", "4k randread qd1"), ("rr4k_qd32", "4k randread qd32"),
+              ("rw4k_qd1", "4k randwrite qd1"), ("rw4k_qd32", "4k randwrite qd32"),
+              ("seq128k_qd32", "128k read qd32")]
+BLOCK_SERVERS = [("rdmx_tcp", "rdmx NBD, NVMe over rdmx tcp://"), ("rdmx_rdma", "rdmx NBD, NVMe over rdmx rdma://"),
+                 ("qemu_nbd", "qemu-nbd (tmpfs file)"), ("nbdkit", "nbdkit memory")]
+reps = sorted({int(n.rsplit("_r", 1)[1].split(".")[0]) for n in os.listdir(OUT) if n.startswith("block_fio_") and n.endswith(".out")})
+if reps:
+    w("## Block storage: fio's nbd engine against rdmx, qemu-nbd and nbdkit\n")
+    w(f"1 GiB of RAM behind each server, 127.0.0.1; {len(reps)} interleaved round(s); "
+      "median IOPS (spread = (max − min) / median over the rounds) and median of the per-round p50 latencies.\n")
+    w("```\n" + (cmd(f"block_fio_rdmx_rdma_rr4k_qd32_r{reps[0]}") or "") + "\n```\n")
+    w("| workload | " + " | ".join(label for _, label in BLOCK_SERVERS) + " |")
+    w("|---|" + "---:|" * len(BLOCK_SERVERS))
+    block = {}
+    for job, jlabel in BLOCK_JOBS:
+        cells = []
+        for server, _ in BLOCK_SERVERS:
+            pts = [fio_point(f"block_fio_{server}_{job}_r{r}") for r in reps]
+            iops, spread = med([p["iops"] for p in pts if p])
+            p50, _ = med([p["p50"] for p in pts if p])
+            block[(server, job)] = (iops, p50)
+            cells.append("–" if iops is None else f"{f(iops, 0)} IOPS ±{f(spread, 0)}%, p50 {f(p50, 1)} µs")
+        w(f"| {jlabel} | " + " | ".join(cells) + " |")
+    w("")
+    nreps = sorted({int(n.rsplit("_r", 1)[1].split(".")[0]) for n in os.listdir(OUT) if n.startswith("block_native_") and n.endswith(".out")})
+    if nreps:
+        w("### The native Initiator (`rdmx block bench`), NVMe over rdmx\n")
+        w("```\n" + (cmd(f"block_native_rdma_rr4k_qd32_r{nreps[0]}") or "") + "\n```\n")
+        w("| workload | tcp:// | rdma:// (soft RoCE) |")
+        w("|---|---:|---:|")
+        for job, jlabel in BLOCK_JOBS:
+            cells = []
+            for scheme in ("tcp", "rdma"):
+                pts = [native_point(f"block_native_{scheme}_{job}_r{r}") for r in nreps]
+                if not any(pts):
+                    cells.append("–")
+                    continue
+                iops, spread = med([p["iops"] for p in pts if p])
+                mbs, _ = med([p["mb_per_s"] for p in pts if p])
+                p50, _ = med([p["p50_us"] for p in pts if p])
+                cells.append(f"{f(iops, 0)} IOPS ±{f(spread, 0)}%, {f(mbs, 1)} MB/s, p50 {f(p50, 1)} µs")
+            if any(c != "–" for c in cells):
+                w(f"| {jlabel} | " + " | ".join(cells) + " |")
+        w("")
+    w("## Targets (issue 13), checked by the script\n")
+    w("| target | measured | met |")
+    w("|---|---|---|")
+    q32, k32 = block.get(("qemu_nbd", "rr4k_qd32")), block.get(("nbdkit", "rr4k_qd32"))
+    q1 = block.get(("qemu_nbd", "rr4k_qd1"))
+    for server, label in BLOCK_SERVERS[:2]:
+        r32, r1 = block.get((server, "rr4k_qd32")), block.get((server, "rr4k_qd1"))
+        if r32 and q32 and r32[0] and q32[0]:
+            target(f"{label}: 4k randread qd32 IOPS ≥ 1.5 × qemu-nbd",
+                   f"{f(r32[0] / q32[0])} × ({f(r32[0], 0)} vs {f(q32[0], 0)})", r32[0] >= 1.5 * q32[0])
+        if r32 and k32 and r32[0] and k32[0]:
+            target(f"{label}: 4k randread qd32 IOPS ≥ nbdkit memory",
+                   f"{f(r32[0] / k32[0])} × ({f(r32[0], 0)} vs {f(k32[0], 0)})", r32[0] >= k32[0])
+        if r1 and q1 and r1[1] and q1[1]:
+            target(f"{label}: 4k randread qd1 p50 ≤ qemu-nbd's",
+                   f"{f(r1[1], 1)} vs {f(q1[1], 1)} µs", r1[1] <= q1[1])
+    w("")
+
 print("\n".join(o))

@@ -12,9 +12,10 @@ mkdir -p "$OUT"
 rm -f "$OUT"/*
 
 need() { command -v "$1" >/dev/null 2>&1; }
-if ! need ucx_perftest || ! need fi_pingpong; then
-  echo "installing ucx-utils and libfabric-bin" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ucx-utils libfabric-bin >/dev/null
+if ! need ucx_perftest || ! need fi_pingpong || ! need qemu-nbd || ! need nbdkit || ! need fio; then
+  echo "installing ucx-utils, libfabric-bin, qemu-utils, nbdkit and fio" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ucx-utils libfabric-bin \
+    qemu-utils nbdkit fio >/dev/null
 fi
 
 cargo build --release -q -p rdmx-cli
@@ -185,6 +186,65 @@ if need redis-server && need redis-benchmark && need memcached; then
   wait $R $M 2>/dev/null || true
 else
   echo "skipping the KV rows (need redis-server, redis-benchmark, memcached)" >&2
+fi
+
+# Block storage (rdmx-block): fio's nbd engine against the rdmx NBD export
+# (its namespace reached by NVMe over rdmx on tcp:// and on rdma://, soft
+# RoCE), qemu-nbd on a tmpfs file and nbdkit's memory plugin, each serving
+# 1 GiB of RAM, interleaved in rounds (medians and spread over the rounds);
+# then the native Initiator (`rdmx block bench`) at qd1 and qd32.
+if need fio && need qemu-nbd && need nbdkit; then
+  echo "block: fio nbd against rdmx, qemu-nbd and nbdkit; rdmx block bench" >&2
+  bfree() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  bwait() { for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+  if [ -n "${QUICK:-}" ]; then BRT=1; REPS=1; else BRT=5; REPS=3; fi
+  BPIDS=()
+  declare -A BURI BFAB
+  for scheme in tcp rdma; do
+    P0=$(bfree); P1=$(bfree); P2=$(bfree)
+    $RDMX block serve --ram 1g --nvme-tcp 127.0.0.1:$P0 --rdmx $scheme://127.0.0.1:$P1 > "$OUT/block_target_$scheme.log" 2>&1 &
+    BPIDS+=($!)
+    bwait $P0
+    sleep 0.3
+    $RDMX block nbd --listen 127.0.0.1:$P2 --target $scheme://127.0.0.1:$P1 > "$OUT/block_nbd_$scheme.log" 2>&1 &
+    BPIDS+=($!)
+    bwait $P2
+    BURI[rdmx_$scheme]=nbd://127.0.0.1:$P2/rdmx
+    BFAB[$scheme]=$scheme://127.0.0.1:$P1
+  done
+  QIMG=/dev/shm/rdmx-bench-qemu-nbd.img
+  rm -f $QIMG && truncate -s 1G $QIMG
+  PQ=$(bfree)
+  qemu-nbd -f raw -x rdmx -b 127.0.0.1 -p $PQ -t $QIMG > "$OUT/block_qemu_nbd.log" 2>&1 &
+  BPIDS+=($!)
+  bwait $PQ
+  BURI[qemu_nbd]=nbd://127.0.0.1:$PQ/rdmx
+  PK=$(bfree)
+  nbdkit -f -i 127.0.0.1 -p $PK memory 1G > "$OUT/block_nbdkit.log" 2>&1 &
+  BPIDS+=($!)
+  bwait $PK
+  BURI[nbdkit]=nbd://127.0.0.1:$PK/rdmx
+  for rep in $(seq $REPS); do
+    for job in rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd1:randwrite:4k:1 rw4k_qd32:randwrite:4k:32 seq128k_qd32:read:128k:32; do
+      IFS=: read -r jname jrw jbs jqd <<< "$job"
+      for server in rdmx_tcp rdmx_rdma qemu_nbd nbdkit; do
+        run block_fio_${server}_${jname}_r$rep fio --name=$jname --ioengine=nbd --uri=${BURI[$server]} \
+          --rw=$jrw --bs=$jbs --iodepth=$jqd --runtime=$BRT --time_based --output-format=json
+      done
+    done
+    for scheme in tcp rdma; do
+      for job in rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd32:randwrite:4k:32 seq128k_qd32:read:128k:32; do
+        IFS=: read -r jname jrw jbs jqd <<< "$job"
+        run block_native_${scheme}_${jname}_r$rep $RDMX block bench --target ${BFAB[$scheme]} --rw $jrw \
+          --bs $jbs --qd $jqd --duration-ms $((BRT * 1000)) --json
+      done
+    done
+  done
+  kill "${BPIDS[@]}" 2>/dev/null || true
+  wait "${BPIDS[@]}" 2>/dev/null || true
+  rm -f $QIMG
+else
+  echo "skipping the block rows (need fio, qemu-nbd, nbdkit)" >&2
 fi
 
 REPORT=${BENCH_MD:-BENCHMARKS.md}

@@ -63,6 +63,39 @@ enum BlockCmd {
         #[arg(long)]
         metrics: Option<String>,
     },
+    /// Measure a remote namespace through the native Initiator (NVMe over
+    /// rdmx): IOPS, MB/s and latency percentiles at a queue depth.
+    #[command(after_help = "Example:\n  \
+        rdmx block bench --target rdma://127.0.0.1:4430 --rw randread --bs 4k --qd 32 --json")]
+    Bench {
+        /// The target's NVMe over rdmx URL (rdma:// or tcp://).
+        #[arg(long)]
+        target: String,
+        /// The subsystem NQN.
+        #[arg(long, default_value = "nqn.2026-11.io.rdmx:block")]
+        nqn: String,
+        /// randread, randwrite, read or write.
+        #[arg(long, default_value = "randread", value_parser = ["randread", "randwrite", "read", "write"])]
+        rw: String,
+        /// Bytes per I/O (k/m; a multiple of the block size, at most 1m).
+        #[arg(long, default_value = "4k")]
+        bs: String,
+        /// I/Os in flight.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+        qd: u32,
+        /// How long to run, in milliseconds.
+        #[arg(long, default_value_t = 5000)]
+        duration_ms: u64,
+        /// Bytes of the namespace to use, from its start (k/m/g; default all).
+        #[arg(long)]
+        span: Option<String>,
+        /// NVMe I/O queues (one connection each).
+        #[arg(long, default_value_t = 2)]
+        queues: u16,
+        /// One JSON object instead of a line of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Export a remote namespace over NBD, through NVMe over rdmx (for
     /// nbd-client, qemu-img, qemu-io, nbdinfo, nbdcopy, fio's nbd engine).
     #[command(after_help = "Example:\n  \
@@ -93,6 +126,30 @@ enum BlockCmd {
 
 pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
     match a.cmd {
+        BlockCmd::Bench {
+            target,
+            nqn,
+            rw,
+            bs,
+            qd,
+            duration_ms,
+            span,
+            queues,
+            json,
+        } => {
+            bench(BenchArgs {
+                target,
+                nqn,
+                rw,
+                bs: parse_size(&bs)?,
+                qd,
+                duration: std::time::Duration::from_millis(duration_ms),
+                span: span.as_deref().map(parse_size).transpose()?,
+                queues,
+                json,
+            })
+            .await
+        }
         BlockCmd::Nbd {
             listen,
             target,
@@ -224,4 +281,124 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             Ok(())
         }
     }
+}
+
+struct BenchArgs {
+    target: String,
+    nqn: String,
+    rw: String,
+    bs: u64,
+    qd: u32,
+    duration: std::time::Duration,
+    span: Option<u64>,
+    queues: u16,
+    json: bool,
+}
+
+/// `rdmx block bench`: keep `qd` I/Os in flight for the duration; random
+/// offsets come from a xorshift generator, sequential ones wrap at the span.
+/// Writes carry a fixed pattern (the point is the transport, not the data).
+async fn bench(a: BenchArgs) -> Result<(), Error> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    use rdmx_block::fabric::{Initiator, InitiatorConfig};
+    use std::time::Instant;
+    let cfg = InitiatorConfig {
+        nqn: a.nqn.clone(),
+        queues: a.queues,
+        queue_depth: 128,
+        ..InitiatorConfig::default()
+    };
+    let dev = Initiator::connect(&crate::perf::transports(), &a.target, cfg)
+        .await
+        .map_err(|e| Error::Connect(format!("{}: {e}", a.target)))?;
+    let bsz = u64::from(dev.block_size());
+    if a.bs == 0 || a.bs % bsz != 0 || a.bs > 1 << 20 {
+        return Err(Error::InvalidArgument(format!(
+            "--bs {}: a multiple of {bsz} bytes, at most 1m",
+            a.bs
+        )));
+    }
+    let blocks = (a.bs / bsz) as u32;
+    let span_blocks = a.span.map_or(dev.blocks(), |s| (s / bsz).min(dev.blocks()));
+    let slots = span_blocks / u64::from(blocks);
+    if slots == 0 {
+        return Err(Error::InvalidArgument(
+            "--span is smaller than one I/O".into(),
+        ));
+    }
+    let write = a.rw.ends_with("write");
+    let random = a.rw.starts_with("rand");
+    let payload = bytes::Bytes::from(vec![0x5au8; a.bs as usize]);
+    let mut rng: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut seq = 0u64;
+    let mut next_lba = move || {
+        let slot = if random {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % slots
+        } else {
+            seq = (seq + 1) % slots;
+            seq
+        };
+        slot * u64::from(blocks)
+    };
+    let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+    let dev = &dev;
+    let one = |lba: u64| {
+        let p = payload.clone();
+        async move {
+            let t = Instant::now();
+            let r = if write {
+                dev.write(lba, p, false).await
+            } else {
+                dev.read(lba, blocks).await.map(|_| ())
+            };
+            (r, t.elapsed())
+        }
+    };
+    let mut inflight = FuturesUnordered::new();
+    let t0 = Instant::now();
+    let mut done = 0u64;
+    for _ in 0..a.qd {
+        inflight.push(one(next_lba()));
+    }
+    while let Some((r, took)) = inflight.next().await {
+        r.map_err(|e| Error::Protocol(format!("I/O failed: {e}")))?;
+        done += 1;
+        let _ = hist.record(took.as_nanos() as u64);
+        if t0.elapsed() < a.duration {
+            inflight.push(one(next_lba()));
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let iops = done as f64 / secs;
+    let mbs = iops * a.bs as f64 / 1e6;
+    let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    let (transport, provider) = dev.transport();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "target": a.target, "transport": transport, "provider": provider,
+                "rw": a.rw, "bs": a.bs, "qd": a.qd, "ios": done, "seconds": secs,
+                "iops": iops, "mb_per_s": mbs,
+                "p50_us": us(0.5), "p99_us": us(0.99), "p999_us": us(0.999),
+            })
+        );
+    } else {
+        println!(
+            "{} {} bs={} qd={} over {transport} ({provider}): {:.0} IOPS, {:.1} MB/s, \
+             p50 {:.1} µs, p99 {:.1} µs ({done} I/Os in {secs:.2} s)",
+            a.target,
+            a.rw,
+            a.bs,
+            a.qd,
+            iops,
+            mbs,
+            us(0.5),
+            us(0.99)
+        );
+    }
+    Ok(())
 }

@@ -171,6 +171,17 @@ pub struct Queue {
 }
 
 impl Queue {
+    /// Resolves when the controller of `queue` goes (keep-alive expired, its
+    /// admin queue closed); never for a queue not yet connected.
+    pub async fn controller_gone(queue: Option<&Queue>) {
+        match queue.and_then(|q| q.ctrl.as_ref()) {
+            Some(c) => {
+                let _ = c.gone().wait_for(|&x| x).await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    }
+
     /// A queue not yet connected.
     pub fn new(local: Option<SocketAddr>) -> Queue {
         Queue {

@@ -19,6 +19,7 @@
 mod block;
 mod doctor;
 mod kv;
+mod oob;
 mod pcap;
 mod perf;
 mod perftest;

@@ -49,6 +49,8 @@ use rdmx_transport_rdma::{SoftConfig, SoftRoce};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::oob::{padded, HexFields};
+
 /// The perftest protocol version this side speaks (perftest 4.5-0.17 sends
 /// "6.06"); perftest only checks that it is at least 5.70.
 const VERSION: &str = "6.06";
@@ -196,38 +198,22 @@ impl KeyMsg {
             s.push_str(&format!("{b:02x}:"));
         }
         s.push_str(&format!("{:08x}:", self.srqn));
-        let mut out = [0u8; KEY_LEN];
-        out[..s.len()].copy_from_slice(s.as_bytes());
-        out
+        padded(&s)
     }
 
     fn decode(m: &[u8]) -> Result<KeyMsg, Error> {
-        let bad = || {
-            Error::Protocol(format!(
-                "not a perftest address message: {:?}",
-                String::from_utf8_lossy(m)
-            ))
-        };
-        let text =
-            std::str::from_utf8(m.split(|&b| b == 0).next().unwrap_or(m)).map_err(|_| bad())?;
-        let mut f = text.split(':');
-        let mut field = |bits: u32| {
-            f.next()
-                .and_then(|x| u64::from_str_radix(x, 16).ok())
-                .filter(|&v| bits == 64 || v < 1u64 << bits)
-                .ok_or_else(bad)
-        };
-        let lid = field(16)? as u16;
-        let out_reads = field(16)? as u16;
-        let qpn = field(24)? as u32;
-        let psn = field(24)? as u32;
-        let rkey = field(32)? as u32;
-        let vaddr = field(64)?;
+        let mut f = HexFields::new(m, "a perftest address message")?;
+        let lid = f.hex(16)? as u16;
+        let out_reads = f.hex(16)? as u16;
+        let qpn = f.hex(24)? as u32;
+        let psn = f.hex(24)? as u32;
+        let rkey = f.hex(32)? as u32;
+        let vaddr = f.hex(64)?;
         let mut gid = [0u8; 16];
         for b in gid.iter_mut() {
-            *b = field(8)? as u8;
+            *b = f.hex(8)? as u8;
         }
-        let srqn = field(32)? as u32;
+        let srqn = f.hex(32)? as u32;
         Ok(KeyMsg {
             lid,
             out_reads,

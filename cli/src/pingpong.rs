@@ -22,6 +22,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use rdmx_core::{Domain, Error};
+
+use crate::oob::{padded, HexFields};
 use rdmx_transport_rdma::verbs::{
     CqWaiter, Provider as _, QpOptions, QpPeer, QpTimers, SendOp, SendWr, WcOpcode, WcStatus,
 };
@@ -73,35 +75,24 @@ struct Dest {
 impl Dest {
     fn encode(&self) -> [u8; MSG_LEN] {
         let gid: String = self.gid.iter().map(|b| format!("{b:02x}")).collect();
-        let s = format!("{:04x}:{:06x}:{:06x}:{gid}", self.lid, self.qpn, self.psn);
-        let mut out = [0u8; MSG_LEN];
-        out[..s.len()].copy_from_slice(s.as_bytes());
-        out
+        padded(&format!(
+            "{:04x}:{:06x}:{:06x}:{gid}",
+            self.lid, self.qpn, self.psn
+        ))
     }
 
     fn decode(m: &[u8]) -> Result<Dest, Error> {
-        let bad = || {
-            Error::Protocol(format!(
-                "not an rc_pingpong address: {:?}",
-                String::from_utf8_lossy(m)
-            ))
-        };
-        let text =
-            std::str::from_utf8(m.split(|&b| b == 0).next().unwrap_or(m)).map_err(|_| bad())?;
-        let mut f = text.split(':');
-        let mut field = |bits: u32| {
-            f.next()
-                .and_then(|x| u32::from_str_radix(x, 16).ok())
-                .filter(|&v| u64::from(v) < 1u64 << bits)
-                .ok_or_else(bad)
-        };
-        let lid = field(16)? as u16;
-        let qpn = field(24)?;
-        let psn = field(24)?;
-        let hex = f.next().filter(|g| g.len() == 32).ok_or_else(bad)?;
+        let mut f = HexFields::new(m, "an rc_pingpong address")?;
+        let lid = f.hex(16)? as u16;
+        let qpn = f.hex(24)? as u32;
+        let psn = f.hex(24)? as u32;
+        let hex = f.text()?;
+        if hex.len() != 32 {
+            return Err(f.error());
+        }
         let mut gid = [0u8; 16];
         for (i, b) in gid.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| f.error())?;
         }
         Ok(Dest { lid, qpn, psn, gid })
     }

@@ -48,15 +48,7 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     let mut tasks: JoinSet<()> = JoinSet::new();
     let sqhd = Arc::new(AtomicU32::new(0));
     let result = loop {
-        let gone = async {
-            match &queue {
-                Some(qa) => {
-                    let mut g = qa.ctrl.as_ref().expect("connected").gone();
-                    let _ = g.wait_for(|&x| x).await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
+        let gone = Queue::controller_gone(queue.as_deref());
         // recv_message is cancel-safe: a message is taken whole or not at all.
         let msg = tokio::select! {
             m = conn.recv_message() => m,

@@ -160,15 +160,7 @@ pub async fn connection(stream: TcpStream, target: Arc<Target>) -> Result<(), Co
     let mut pending: HashMap<u16, PendingWrite> = HashMap::new();
     let mut next_ttag: u16 = 0;
     let result = loop {
-        let gone = async {
-            match &queue {
-                Some(qa) => {
-                    let mut g = qa.ctrl.as_ref().expect("connected").gone();
-                    let _ = g.wait_for(|&x| x).await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
+        let gone = Queue::controller_gone(queue.as_deref());
         let pdu = tokio::select! {
             p = pdus.recv() => match p {
                 Some(p) => p,

@@ -2,7 +2,47 @@
 //! perftest's QP addresses): fixed-size NUL-padded messages of hex fields
 //! separated by colons.
 
+use std::net::IpAddr;
+use std::sync::Arc;
+
 use rdmx_core::Error;
+use rdmx_transport_rdma::{SoftConfig, SoftRoce};
+use tokio::net::{TcpListener, TcpStream};
+
+/// The soft RoCEv2 engine as the peer of a verbs program: on UDP 4791, where
+/// a NIC or rxe sends (no other port), go-back-N as RC NICs expect.
+pub(crate) fn verbs_peer_engine() -> Result<Arc<SoftRoce>, Error> {
+    Ok(Arc::new(SoftRoce::new(SoftConfig {
+        port_fallback: false,
+        selective_repeat: false,
+        ..SoftConfig::default()
+    })?))
+}
+
+/// The exchange's TCP connection: to `host` when given, else the first
+/// client on `listen:port` (`who` names the waiting command on stderr).
+pub(crate) async fn connect_or_accept(
+    host: Option<&str>,
+    listen: IpAddr,
+    port: u16,
+    who: &str,
+) -> Result<TcpStream, Error> {
+    match host {
+        Some(host) => TcpStream::connect((host, port))
+            .await
+            .map_err(|e| Error::Connect(format!("{host}:{port}: {e}"))),
+        None => {
+            let l = TcpListener::bind((listen, port))
+                .await
+                .map_err(|e| Error::Connect(format!("listen on {listen}:{port}: {e}")))?;
+            eprintln!("rdmx {who}: waiting on {listen}:{port}");
+            Ok(l.accept()
+                .await
+                .map_err(|e| Error::Connect(e.to_string()))?
+                .0)
+        }
+    }
+}
 
 /// `s` in a zero-filled buffer of `N` bytes (the tools send whole buffers).
 pub(crate) fn padded<const N: usize>(s: &str) -> [u8; N] {

@@ -45,11 +45,10 @@ use rdmx_transport_rdma::verbs::{
     CqWaiter, Provider as _, QpOptions, QpPeer, QpTimers, QueuePair, SendOp, SendWr, WcOpcode,
     WcStatus, WorkCompletion,
 };
-use rdmx_transport_rdma::{SoftConfig, SoftRoce};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
-use crate::oob::{padded, HexFields};
+use crate::oob::{connect_or_accept, padded, verbs_peer_engine, HexFields};
 
 /// The perftest protocol version this side speaks (perftest 4.5-0.17 sends
 /// "6.06"); perftest only checks that it is at least 5.70.
@@ -414,32 +413,10 @@ pub(crate) async fn run(r: PerftestRun) -> Result<(), Error> {
             "--perftest sizes stop at 1 GiB".into(),
         ));
     }
-    // A verbs peer sends to UDP 4791: this engine must be there.
-    let dev = Arc::new(SoftRoce::new(SoftConfig {
-        port_fallback: false,
-        selective_repeat: false,
-        ..SoftConfig::default()
-    })?);
+    let dev = verbs_peer_engine()?;
     let client = r.host.is_some();
-    let stream = match &r.host {
-        Some(host) => TcpStream::connect((host.as_str(), r.port))
-            .await
-            .map_err(|e| Error::Connect(format!("{host}:{}: {e}", r.port)))?,
-        None => {
-            let l = TcpListener::bind(("0.0.0.0", r.port))
-                .await
-                .map_err(|e| Error::Connect(format!("listen on port {}: {e}", r.port)))?;
-            eprintln!(
-                "rdmx perf: waiting for {} on port {}",
-                r.test.program(),
-                r.port
-            );
-            l.accept()
-                .await
-                .map_err(|e| Error::Connect(e.to_string()))?
-                .0
-        }
-    };
+    let who = format!("perf (for {})", r.test.program());
+    let stream = connect_or_accept(r.host.as_deref(), IpAddr::from([0u8; 4]), r.port, &who).await?;
     let _ = stream.set_nodelay(true);
     let local = stream
         .local_addr()
@@ -883,6 +860,7 @@ fn print_lat(size: u64, iters: u64, rtts: &[Duration]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::TcpListener;
 
     #[test]
     fn address_message_is_perftests() {

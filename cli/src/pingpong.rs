@@ -17,19 +17,16 @@
 //! ```
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use rdmx_core::{Domain, Error};
 
-use crate::oob::{padded, HexFields};
+use crate::oob::{connect_or_accept, padded, verbs_peer_engine, HexFields};
 use rdmx_transport_rdma::verbs::{
     CqWaiter, Provider as _, QpOptions, QpPeer, QpTimers, SendOp, SendWr, WcOpcode, WcStatus,
 };
-use rdmx_transport_rdma::{SoftConfig, SoftRoce};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 /// Arguments of `rdmx pingpong` (named as ibv_rc_pingpong's options).
 #[derive(clap::Args, Debug)]
@@ -118,27 +115,8 @@ pub(crate) async fn run(a: PingpongArgs) -> Result<(), Error> {
             "--iters and --rx-depth must be at least 1".into(),
         ));
     }
-    // A NIC peer sends to UDP 4791: this engine must be there.
-    let dev = Arc::new(SoftRoce::new(SoftConfig {
-        port_fallback: false,
-        selective_repeat: false,
-        ..SoftConfig::default()
-    })?);
-    let mut stream = match &a.server {
-        Some(host) => TcpStream::connect((host.as_str(), a.port))
-            .await
-            .map_err(|e| Error::Connect(format!("{host}:{}: {e}", a.port)))?,
-        None => {
-            let l = TcpListener::bind((a.listen, a.port))
-                .await
-                .map_err(|e| Error::Connect(format!("listen on {}:{}: {e}", a.listen, a.port)))?;
-            eprintln!("rdmx pingpong: waiting on {}:{}", a.listen, a.port);
-            l.accept()
-                .await
-                .map_err(|e| Error::Connect(e.to_string()))?
-                .0
-        }
-    };
+    let dev = verbs_peer_engine()?;
+    let mut stream = connect_or_accept(a.server.as_deref(), a.listen, a.port, "pingpong").await?;
     let local = stream
         .local_addr()
         .map_err(|e| Error::Connect(e.to_string()))?

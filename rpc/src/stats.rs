@@ -13,6 +13,7 @@ pub struct RpcStats {
     calls: AtomicU64,
     errors: AtomicU64,
     bytes: AtomicU64,
+    inline: AtomicU64,
     latency_ns: Mutex<Histogram<u64>>,
 }
 
@@ -22,6 +23,7 @@ impl Default for RpcStats {
             calls: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            inline: AtomicU64::new(0),
             latency_ns: Mutex::new(
                 Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds"),
             ),
@@ -38,6 +40,9 @@ pub struct RpcStatsSnapshot {
     pub errors: u64,
     /// Body bytes answered (server) or received (client).
     pub bytes: u64,
+    /// Calls a server answered inline, in the connection's own task (the
+    /// handler finished at its first poll), rather than in a task of their own.
+    pub inline: u64,
     /// Median call latency, microseconds.
     pub p50_us: f64,
     /// 99th percentile call latency, microseconds.
@@ -64,6 +69,11 @@ impl RpcStats {
         self.errors.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count a call a server answered inline (without a task of its own).
+    pub fn record_inline(&self) {
+        self.inline.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The current values.
     pub fn snapshot(&self) -> RpcStatsSnapshot {
         let h = self.latency_ns.lock();
@@ -78,6 +88,7 @@ impl RpcStats {
             calls: self.calls.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
+            inline: self.inline.load(Ordering::Relaxed),
             p50_us: q(0.5),
             p99_us: q(0.99),
         }

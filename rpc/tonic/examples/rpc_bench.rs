@@ -1,10 +1,12 @@
 //! Unary echo benchmark, one run, every system on this host:
 //! rdmx-rpc over TCP and over soft RoCE, tonic over its own TCP, and tonic
 //! over rdmx (TCP and soft RoCE). Prints one JSON line per point:
-//! QPS, p50 and p99 latency, MB/s.
+//! QPS, p50 and p99 latency, MB/s, and this process's CPU time and context
+//! switches per call (client and server together: both run here).
 //!
 //! ```text
 //! cargo run --release -p rdmx-rpc-tonic --example rpc_bench -- [--duration-ms 1000]
+//!     [--systems rdmx-rpc/tcp,tonic/tcp] [--sizes 64,4096] [--concurrency 1,64]
 //! ```
 
 use std::sync::Arc;
@@ -39,11 +41,68 @@ impl Echo for Svc {
     }
 }
 
-const SIZES: [usize; 4] = [64, 4096, 65_536, 1 << 20];
-const CONCURRENCY: [usize; 2] = [1, 64];
+/// What to run: systems by name (empty: all), sizes, calls in flight.
+#[derive(Clone)]
+struct Plan {
+    dur: Duration,
+    systems: Vec<String>,
+    sizes: Vec<usize>,
+    concurrency: Vec<usize>,
+}
 
-/// Run `conc` loops of `call` for `dur`; (calls, elapsed, merged histogram in ns).
-async fn drive<F, Fut>(conc: usize, dur: Duration, call: F) -> (u64, Duration, Histogram<u64>)
+impl Plan {
+    fn wants(&self, system: &str) -> bool {
+        self.systems.is_empty() || self.systems.iter().any(|s| s == system)
+    }
+}
+
+/// CPU seconds (user + system) and context switches (voluntary and not) of
+/// this process so far, summed over its threads from /proc.
+fn process_usage() -> (f64, u64) {
+    let cpu = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name, which is in parentheses.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+            Some(ticks / 100.0)
+        })
+        .unwrap_or(0.0);
+    let mut switches = 0;
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for t in tasks.flatten() {
+            let Ok(st) = std::fs::read_to_string(t.path().join("status")) else {
+                continue;
+            };
+            for line in st.lines() {
+                if line.starts_with("voluntary_ctxt_switches")
+                    || line.starts_with("nonvoluntary_ctxt_switches")
+                {
+                    switches += line
+                        .split_whitespace()
+                        .last()
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0);
+                }
+            }
+        }
+    }
+    (cpu, switches)
+}
+
+/// One measured point: calls, elapsed, latency histogram (ns), CPU seconds
+/// and context switches over the run.
+struct Run {
+    calls: u64,
+    elapsed: Duration,
+    hist: Histogram<u64>,
+    cpu: f64,
+    switches: u64,
+}
+
+/// Run `conc` loops of `call` for `dur`.
+async fn drive<F, Fut>(conc: usize, dur: Duration, call: F) -> Run
 where
     F: Fn() -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send,
@@ -53,6 +112,7 @@ where
     for _ in 0..20 {
         call().await;
     }
+    let (cpu0, sw0) = process_usage();
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..conc)
         .map(|_| {
@@ -77,22 +137,37 @@ where
         total += n;
         all.add(h).unwrap();
     }
-    (total, t0.elapsed(), all)
+    let elapsed = t0.elapsed();
+    let (cpu1, sw1) = process_usage();
+    Run {
+        calls: total,
+        elapsed,
+        hist: all,
+        cpu: cpu1 - cpu0,
+        switches: sw1.saturating_sub(sw0),
+    }
 }
 
-fn report(system: &str, size: usize, conc: usize, r: (u64, Duration, Histogram<u64>)) {
-    let (n, el, h) = r;
-    let qps = n as f64 / el.as_secs_f64();
+fn report(system: &str, size: usize, conc: usize, r: Run) {
+    let n = r.calls;
+    let qps = n as f64 / r.elapsed.as_secs_f64();
+    let per = n.max(1) as f64;
     println!(
         "{{\"system\":\"{system}\",\"size\":{size},\"concurrency\":{conc},\"calls\":{n},\"qps\":{qps:.1},\
-         \"p50_us\":{:.2},\"p99_us\":{:.2},\"mb_per_s\":{:.1}}}",
-        h.value_at_quantile(0.5) as f64 / 1000.0,
-        h.value_at_quantile(0.99) as f64 / 1000.0,
-        qps * size as f64 / 1e6
+         \"p50_us\":{:.2},\"p99_us\":{:.2},\"mb_per_s\":{:.1},\"cpu_us_per_call\":{:.2},\
+         \"switches_per_call\":{:.3}}}",
+        r.hist.value_at_quantile(0.5) as f64 / 1000.0,
+        r.hist.value_at_quantile(0.99) as f64 / 1000.0,
+        qps * size as f64 / 1e6,
+        r.cpu * 1e6 / per,
+        r.switches as f64 / per,
     );
 }
 
-async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, dur: Duration) {
+async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
+    if !plan.wants(name) {
+        return;
+    }
     let service =
         Service::new("bench", 1).method_bytes("echo", |b: Bytes| async move { Ok::<_, String>(b) });
     let server = Server::new(
@@ -108,11 +183,11 @@ async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, dur: Duration) {
     tokio::spawn(async move { s.serve(l).await });
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let client = Client::connect(conn, "bench", 1, &["echo"]).await.unwrap();
-    for size in SIZES {
+    for &size in &plan.sizes {
         let body = Bytes::from(vec![0x5au8; size]);
-        for conc in CONCURRENCY {
+        for &conc in &plan.concurrency {
             let (c, b) = (client.clone(), body.clone());
-            let r = drive(conc, dur, move || {
+            let r = drive(conc, plan.dur, move || {
                 let (c, b) = (c.clone(), b.clone());
                 async move {
                     let back = c.call_bytes("echo", b).await.unwrap();
@@ -126,15 +201,15 @@ async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, dur: Duration) {
     server.shutdown();
 }
 
-async fn tonic_bench(name: &str, mut client: EchoClient<tonic::transport::Channel>, dur: Duration) {
+async fn tonic_bench(name: &str, mut client: EchoClient<tonic::transport::Channel>, plan: &Plan) {
     client = client
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
-    for size in SIZES {
+    for &size in &plan.sizes {
         let payload = vec![0x5au8; size];
-        for conc in CONCURRENCY {
+        for &conc in &plan.concurrency {
             let (c, p) = (client.clone(), payload.clone());
-            let r = drive(conc, dur, move || {
+            let r = drive(conc, plan.dur, move || {
                 let (mut c, p) = (c.clone(), p.clone());
                 async move {
                     let back = c.unary(EchoRequest { payload: p }).await.unwrap();
@@ -153,7 +228,10 @@ fn echo_server() -> EchoServer<Svc> {
         .max_encoding_message_size(64 << 20)
 }
 
-async fn tonic_over_rdmx(name: &str, t: Arc<dyn Transport>, dur: Duration) {
+async fn tonic_over_rdmx(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
+    if !plan.wants(name) {
+        return;
+    }
     let l = t.listen("127.0.0.1:0", &Options::default()).await.unwrap();
     let addr = l.local_addr().to_string();
     tokio::spawn(
@@ -163,10 +241,13 @@ async fn tonic_over_rdmx(name: &str, t: Arc<dyn Transport>, dur: Duration) {
     );
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let ch = rdmx_rpc_tonic::channel(conn).await.unwrap();
-    tonic_bench(name, EchoClient::new(ch), dur).await;
+    tonic_bench(name, EchoClient::new(ch), plan).await;
 }
 
-async fn tonic_over_tcp(dur: Duration) {
+async fn tonic_over_tcp(plan: &Plan) {
+    if !plan.wants("tonic/tcp") {
+        return;
+    }
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     // TCP_NODELAY on accepted sockets too, as on the client: otherwise Nagle
@@ -188,18 +269,31 @@ async fn tonic_over_tcp(dur: Duration) {
         .connect()
         .await
         .unwrap();
-    tonic_bench("tonic/tcp", EchoClient::new(ch), dur).await;
+    tonic_bench("tonic/tcp", EchoClient::new(ch), plan).await;
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let ms = args
-        .iter()
-        .position(|a| a == "--duration-ms")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000u64);
-    let dur = Duration::from_millis(ms);
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let list = |name: &str, dflt: &[usize]| -> Vec<usize> {
+        flag(name).map_or_else(
+            || dflt.to_vec(),
+            |v| v.split(',').map(|x| x.parse().expect(name)).collect(),
+        )
+    };
+    let plan = Plan {
+        dur: Duration::from_millis(flag("--duration-ms").map_or(1000, |v| v.parse().unwrap())),
+        systems: flag("--systems")
+            .map(|v| v.split(',').map(str::to_string).collect())
+            .unwrap_or_default(),
+        sizes: list("--sizes", &[64, 4096, 65_536, 1 << 20]),
+        concurrency: list("--concurrency", &[1, 64]),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -209,11 +303,11 @@ fn main() {
         tokio::spawn(async move {
             let tcp: Arc<dyn Transport> = Arc::new(rdmx_transport_tcp::TcpTransport::new());
             let rdma: Arc<dyn Transport> = Arc::new(rdmx_transport_rdma::RdmaTransport::new());
-            rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), dur).await;
-            rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), dur).await;
-            tonic_over_tcp(dur).await;
-            tonic_over_rdmx("tonic/rdmx-tcp", tcp, dur).await;
-            tonic_over_rdmx("tonic/rdmx-soft-roce", rdma, dur).await;
+            rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), &plan).await;
+            rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), &plan).await;
+            tonic_over_tcp(&plan).await;
+            tonic_over_rdmx("tonic/rdmx-tcp", tcp, &plan).await;
+            tonic_over_rdmx("tonic/rdmx-soft-roce", rdma, &plan).await;
         })
         .await
         .unwrap();

@@ -84,8 +84,16 @@ fn denied(r: rdmx_core::Result<impl std::fmt::Debug>) -> AccessError {
 }
 
 impl Suite {
-    /// A suite for `transport`, listening on `listen_addr`.
+    /// A suite for `transport`, listening on `listen_addr`. With
+    /// `RDMX_TEST_LOG` set (a `tracing` filter such as `rdmx_transport_rdma=debug`),
+    /// the transports' log is printed with each case's output.
     pub fn new(transport: Arc<dyn Transport>, listen_addr: &str) -> Suite {
+        if let Ok(filter) = std::env::var("RDMX_TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_test_writer()
+                .try_init();
+        }
         Suite {
             transport,
             listen_addr: listen_addr.to_string(),

@@ -143,7 +143,9 @@ static void complete(struct ibv_cq *cq, uint64_t wr_id, int status, int opcode,
 	cq_push(cq, &wc);
 }
 
-/* ERROR: flush every posted receive and every request stalled toward us. */
+/* ERROR: flush every posted receive. Requests stalled toward us stay unanswered
+ * (as a real responder in ERROR drops them) until the QP is destroyed: see
+ * forget_qp. */
 static void to_error(struct fqp *q)
 {
 	if (q->qp.state == IBV_QPS_ERR)
@@ -673,6 +675,47 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *a)
 	return &q->qp;
 }
 
+/* `gone` is being destroyed: requests of its own stalled at other responders
+ * vanish with it, and requests stalled toward it are never answered, so each
+ * requester retries until it gives up (RETRY_EXC_ERR, then the QP is in
+ * ERROR and the rest flush), as against a real peer that went away. */
+static void forget_qp(struct fqp *gone)
+{
+	for (struct fqp *p = qps; p; p = p->next) {
+		struct op **link = &p->waiting, *last = NULL;
+		while (*link) {
+			struct op *o = *link;
+			if (o->from == gone) {
+				*link = o->next;
+				free(o->data);
+				free(o);
+			} else {
+				last = o;
+				link = &o->next;
+			}
+		}
+		p->waiting_tail = last;
+	}
+	while (gone->waiting) {
+		struct op *o = gone->waiting;
+		gone->waiting = o->next;
+		struct fqp *r = o->from;
+		if (r == gone) {
+			/* Its own request, looped back: nobody is left to tell. */
+		} else if (r->qp.state != IBV_QPS_ERR) {
+			complete(r->qp.send_cq, o->wr_id, IBV_WC_RETRY_EXC_ERR,
+				 wc_opcode(o->opcode), 0, r->qp.qp_num, 0, 0);
+			to_error(r);
+		} else {
+			complete(r->qp.send_cq, o->wr_id, IBV_WC_WR_FLUSH_ERR,
+				 wc_opcode(o->opcode), 0, r->qp.qp_num, 0, 0);
+		}
+		free(o->data);
+		free(o);
+	}
+	gone->waiting_tail = NULL;
+}
+
 int ibv_destroy_qp(struct ibv_qp *qp)
 {
 	pthread_mutex_lock(&big);
@@ -680,12 +723,7 @@ int ibv_destroy_qp(struct ibv_qp *qp)
 		if (&(*p)->qp == qp) {
 			struct fqp *q = *p;
 			*p = q->next;
-			while (q->waiting) {
-				struct op *o = q->waiting;
-				q->waiting = o->next;
-				free(o->data);
-				free(o);
-			}
+			forget_qp(q);
 			free(q->rq);
 			free(q);
 			break;

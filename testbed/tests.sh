@@ -228,6 +228,7 @@ capture() {
 # is in it
 check_capture() {
   local f=$1; shift
+  CHECK_WHY="pcap check failed"
   "$RDMX" pcap check -v "$f" > "$f.check" 2>&1 || { grep -v 'icrc ok$' "$f.check" | tail; return 1; }
   grep -v 'icrc ok$' "$f.check"
   local missing=""
@@ -238,11 +239,13 @@ check_capture() {
       *) grep -qE "^  $op( |$)" "$f.check" || missing+=" $op" ;;
     esac
   done
+  CHECK_WHY="missing:$missing"
   [[ -z $missing ]] || { echo "missing from $f:$missing"; return 1; }
 }
 
 t_captures() {
-  local fails=0
+  # why: what failed, printed last (CI shows the end of the output)
+  local why=()
   # rxe <-> rxe: two guests
   net_up tap0 tap1
   mkdir -p "$OUT/pair"
@@ -259,7 +262,7 @@ t_captures() {
     grep -h '^### .*rc=' "$OUT/pair-server.log" "$OUT/pair-client.log"
     ((ra == 0 && rb == 0))
   }
-  capture rxe-rxe pair || fails=$((fails + 1))
+  capture rxe-rxe pair || why+=("rxe-rxe run: $(grep -h '^### .*rc=[^0]' "$OUT/pair-server.log" "$OUT/pair-client.log" | tr '\n' ';')")
   cleanup
   check_capture "$OUT/rxe-rxe.pcapng" SEND_FIRST SEND_MIDDLE SEND_LAST SEND_ONLY \
     RDMA_WRITE_FIRST RDMA_WRITE_MIDDLE RDMA_WRITE_LAST RDMA_WRITE_ONLY \
@@ -268,7 +271,7 @@ t_captures() {
     ACKNOWLEDGE ATOMIC_ACKNOWLEDGE COMPARE_SWAP FETCH_ADD \
     UC_SEND_FIRST UC_SEND_LAST UC_RDMA_WRITE_FIRST UC_RDMA_WRITE_LAST \
     UD_SEND_ONLY "UD_SEND_ONLY \(CM ConnectRequest\)" "UD_SEND_ONLY \(CM ConnectReply\)" \
-    "UD_SEND_ONLY \(CM ReadyToUse\)" NAK || fails=$((fails + 1))
+    "UD_SEND_ONLY \(CM ReadyToUse\)" NAK || why+=("rxe-rxe capture: $CHECK_WHY")
   # soft (host) <-> rxe (guest): a soak each way round, the second lossy
   net_up
   soft_rxe() {
@@ -280,13 +283,13 @@ t_captures() {
        tc qdisc add dev eth0 root netem loss 10% &&
        $RDMX soak client rdma://198.18.0.1:7500 --bytes 128k --chunk 32k" > "$OUT/soft-rxe.client" 2>&1
   }
-  capture soft-rxe soft_rxe || { tail "$OUT/soft-rxe.client"; fails=$((fails + 1)); }
+  capture soft-rxe soft_rxe || why+=("soft-rxe run: $(tail -n 3 "$OUT/soft-rxe.client" | tr '\n' ';')")
   cleanup
   check_capture "$OUT/soft-rxe.pcapng" SEND_ONLY RDMA_WRITE_FIRST RDMA_WRITE_MIDDLE \
     RDMA_WRITE_LAST RDMA_WRITE_ONLY RDMA_WRITE_LAST_WITH_IMMEDIATE RDMA_READ_REQUEST \
     RDMA_READ_RESPONSE_FIRST RDMA_READ_RESPONSE_MIDDLE RDMA_READ_RESPONSE_LAST \
     RDMA_READ_RESPONSE_ONLY ACKNOWLEDGE ATOMIC_ACKNOWLEDGE COMPARE_SWAP FETCH_ADD \
-    NAK || fails=$((fails + 1))
+    NAK || why+=("soft-rxe capture: $CHECK_WHY")
   # soft (host) <-> rxe (guest) under unmodified verbs programs: ib_send_bw
   # with two receives posted against rdmx's window of 64 sends (RNR NAKs),
   # then ibv_rc_pingpong against `rdmx pingpong --imm` (sends with immediate)
@@ -308,11 +311,14 @@ t_captures() {
     wait "$g" && ((rc == 0))
   }
   : > "$OUT/soft-rxe-verbs.host"
-  capture soft-rxe-verbs soft_rxe_verbs || { tail "$OUT/soft-rxe-verbs.host"; fails=$((fails + 1)); }
+  capture soft-rxe-verbs soft_rxe_verbs ||
+    why+=("soft-rxe-verbs run: host: $(tail -n 3 "$OUT/soft-rxe-verbs.host" | tr '\n' ';') guest: $(tail -n 3 "$OUT/soft-rxe-verbs.guest" | tr '\n' ';')")
   cleanup
   check_capture "$OUT/soft-rxe-verbs.pcapng" SEND_ONLY SEND_FIRST SEND_MIDDLE SEND_LAST \
-    SEND_ONLY_WITH_IMMEDIATE SEND_LAST_WITH_IMMEDIATE ACKNOWLEDGE RNR NAK || fails=$((fails + 1))
-  ((fails == 0))
+    SEND_ONLY_WITH_IMMEDIATE SEND_LAST_WITH_IMMEDIATE ACKNOWLEDGE RNR NAK || why+=("soft-rxe-verbs capture: $CHECK_WHY")
+  ((${#why[@]} == 0)) && return 0
+  printf 'captures failed: %s\n' "${why[@]}"
+  return 1
 }
 
 t_pingpong() {

@@ -743,11 +743,17 @@ impl Shared {
         op: SendOp,
         permit: OwnedSemaphorePermit,
     ) -> Result<oneshot::Receiver<Result<WorkCompletion>>> {
-        if self.is_dead.load(Ordering::Acquire) {
-            return Err(self.dead_error());
-        }
         let (tx, rx) = oneshot::channel();
         let mut st = self.st.lock();
+        // Checked under the state lock: `die` takes the same lock after
+        // marking the connection dead, so an operation is either in `pending`
+        // when it fails them all, or sees the mark here. (Checked before the
+        // lock, an operation could slip in after `die`, when nobody polls the
+        // completion queue any more, and wait for its deadline.)
+        if self.is_dead.load(Ordering::Acquire) {
+            drop(st);
+            return Err(self.dead_error());
+        }
         let wr_id = st.next_wr;
         st.next_wr += 1;
         let mut p = Pending {

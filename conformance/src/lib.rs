@@ -203,6 +203,44 @@ impl Suite {
         }
         p.client.send(&b"still fine"[..]).await.unwrap();
         assert_eq!(&p.server.recv_message().await.unwrap()[..], b"still fine");
+        // send_many: batches (of more messages than the receive credits, so
+        // a batch waits for credits part-way) arrive in order, each message
+        // whole, counted one send each.
+        let sends_before = p.client.stats().sends;
+        let batches: Vec<Vec<Bytes>> = (0..4u64)
+            .map(|b| {
+                (0..300u64)
+                    .map(|i| {
+                        Bytes::from(pattern(b * 1000 + i, ((b * 300 + i) * 13 % 5000) as usize))
+                    })
+                    .collect()
+            })
+            .collect();
+        let sender = {
+            let c = p.client.clone();
+            let batches = batches.clone();
+            tokio::spawn(async move {
+                for b in batches {
+                    c.send_many(b).await.expect("send_many");
+                }
+            })
+        };
+        for (b, batch) in batches.iter().enumerate() {
+            for (i, want) in batch.iter().enumerate() {
+                let m = p.server.recv_message().await.expect("recv");
+                assert_eq!(sha(&m), sha(want), "batch {b} message {i}");
+            }
+        }
+        sender.await.unwrap();
+        assert_eq!(p.client.stats().sends - sends_before, 4 * 300);
+        match p
+            .client
+            .send_many(vec![Bytes::new(), vec![0u8; too_big].into()])
+            .await
+        {
+            Err(Error::ResourceExhausted(_)) => {}
+            other => panic!("oversized message in a batch: {other:?}"),
+        }
     }
 
     /// Reads and writes at region edges, unaligned, zero-length, last byte;

@@ -79,6 +79,30 @@ pub trait RawConnection: Send + Sync + 'static {
     fn domain(&self) -> &Domain;
     /// Send one message; waits for a receive credit.
     fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>>;
+    /// Send several messages in order, as one unit where the transport can
+    /// (one `writev` for TCP). The default starts every send at once, in
+    /// order (each posted before the next one is polled), and waits for all.
+    fn send_many(&self, msgs: Vec<Bytes>) -> BoxFuture<'static, Result<()>> {
+        let mut sends: Vec<Option<BoxFuture<'static, Result<()>>>> =
+            msgs.into_iter().map(|m| Some(self.send(m))).collect();
+        Box::pin(std::future::poll_fn(move |cx| {
+            let mut busy = false;
+            for slot in sends.iter_mut() {
+                if let Some(f) = slot {
+                    match f.as_mut().poll(cx) {
+                        std::task::Poll::Ready(Ok(())) => *slot = None,
+                        std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                        std::task::Poll::Pending => busy = true,
+                    }
+                }
+            }
+            if busy {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(Ok(()))
+            }
+        }))
+    }
     /// Receive the next message or write-with-immediate notice.
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>>;
     /// Read the remote range; the returned bytes are owned by the caller.
@@ -154,6 +178,8 @@ pub struct Op<T> {
     timeout: Option<Duration>,
     kind: OpKind,
     bytes: u64,
+    /// Operations this one stands for in the counters (a batch of sends: several).
+    count: u64,
     stats: Arc<Stats>,
 }
 
@@ -182,6 +208,7 @@ impl<T: Send + 'static> IntoFuture for Op<T> {
             timeout,
             kind,
             bytes,
+            count,
             stats,
         } = self;
         let span = tracing::trace_span!("rdmx.op", op = kind.as_str(), bytes);
@@ -199,11 +226,11 @@ impl<T: Send + 'static> IntoFuture for Op<T> {
                 };
                 match &res {
                     Ok(_) => match kind {
-                        OpKind::Read => stats.add(|s| &s.reads, 1),
-                        OpKind::Write => stats.add(|s| &s.writes, 1),
-                        OpKind::Atomic => stats.add(|s| &s.atomics, 1),
-                        OpKind::Send => stats.add(|s| &s.sends, 1),
-                        OpKind::Recv => stats.add(|s| &s.recvs, 1),
+                        OpKind::Read => stats.add(|s| &s.reads, count),
+                        OpKind::Write => stats.add(|s| &s.writes, count),
+                        OpKind::Atomic => stats.add(|s| &s.atomics, count),
+                        OpKind::Send => stats.add(|s| &s.sends, count),
+                        OpKind::Recv => stats.add(|s| &s.recvs, count),
                         OpKind::Close => {}
                     },
                     Err(e) => {
@@ -242,6 +269,7 @@ impl Connection {
             timeout: Some(self.op_timeout),
             kind,
             bytes,
+            count: 1,
             stats: self.raw.stats().clone(),
         }
     }
@@ -286,6 +314,30 @@ impl Connection {
         let msg = msg.into();
         let len = msg.len() as u64;
         self.op(OpKind::Send, len, self.raw.send(msg))
+    }
+
+    /// Send several messages in order, as one unit where the transport can
+    /// (TCP: one `writev`): what a caller holding many small messages at once
+    /// (an RPC server's answers to one burst of requests) should use. Counts as
+    /// `msgs.len()` sends.
+    pub fn send_many(&self, msgs: Vec<Bytes>) -> Op<()> {
+        let len = msgs.iter().map(|m| m.len() as u64).sum();
+        let n = msgs.len() as u64;
+        // All or nothing for sizes: no message of a batch leaves if one is too big.
+        let limit = self.info.capabilities.max_message_size;
+        let fut = match msgs.iter().find(|m| m.len() as u64 > limit) {
+            Some(m) => {
+                let e = Error::ResourceExhausted(format!(
+                    "message of {} bytes exceeds the peer's limit of {limit}",
+                    m.len()
+                ));
+                Box::pin(std::future::ready(Err(e))) as BoxFuture<'static, Result<()>>
+            }
+            None => self.raw.send_many(msgs),
+        };
+        let mut op = self.op(OpKind::Send, len, fut);
+        op.count = n;
+        op
     }
 
     /// Receive the next message (or write-with-immediate notice). No deadline by

@@ -262,7 +262,7 @@ impl Shared {
 
     /// After a direct write: queue what did not fit (first, to keep order) and
     /// hand the write side to the writer task if frames are waiting.
-    fn release_direct(&self, rest: Option<OutFrame>, res: io::Result<()>) {
+    fn release_direct(&self, rest: impl DoubleEndedIterator<Item = OutFrame>, res: io::Result<()>) {
         if let Err(e) = res {
             if e.kind() != io::ErrorKind::WouldBlock {
                 self.fail(Error::Disconnected(format!("write failed: {e}")));
@@ -270,8 +270,8 @@ impl Shared {
             }
         }
         let mut q = self.wq.lock();
-        if let Some(rest) = rest {
-            q.frames.push_front(rest);
+        for f in rest.rev() {
+            q.frames.push_front(f);
         }
         if q.frames.is_empty() {
             q.busy = false;
@@ -290,7 +290,31 @@ impl Shared {
         }
         let mut one = VecDeque::from([slot.take().expect("frame")]);
         let res = write_some(&self.stream, &mut one);
-        self.release_direct(one.pop_front(), res);
+        self.release_direct(one.into_iter(), res);
+        Ok(())
+    }
+
+    /// [`Shared::enqueue`] for several frames in order: one `writev` when the
+    /// socket is idle.
+    fn enqueue_many(&self, frames: Vec<OutFrame>) -> Result<()> {
+        if frames.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut q = self.wq.lock();
+            if q.closed {
+                drop(q);
+                return Err(self.disconnected());
+            }
+            if q.busy {
+                q.frames.extend(frames);
+                return Ok(());
+            }
+            q.busy = true;
+        }
+        let mut batch = VecDeque::from(frames);
+        let res = write_some(&self.stream, &mut batch);
+        self.release_direct(batch.into_iter(), res);
         Ok(())
     }
 
@@ -323,7 +347,7 @@ impl Shared {
         };
         let rest =
             (done < total).then(|| copy(done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN)));
-        self.release_direct(rest, res);
+        self.release_direct(rest.into_iter(), res);
         Ok(())
     }
 
@@ -800,6 +824,17 @@ impl Shared {
 
     // --------------------------------------------------------------- two-sided
 
+    /// Take one message credit and `bytes` of window if there are; no waiting.
+    fn try_take_credit(&self, bytes: u64) -> bool {
+        let mut c = self.credits.lock();
+        if c.msgs >= 1 && c.bytes >= bytes {
+            c.msgs -= 1;
+            c.bytes -= bytes;
+            return true;
+        }
+        false
+    }
+
     /// Take one message credit and `bytes` of window, waiting while there are none.
     async fn take_credit(&self, bytes: u64) -> Result<()> {
         let mut stalled = false;
@@ -840,6 +875,32 @@ impl Shared {
         self.take_credit(len).await?;
         self.stats.add(|s| &s.bytes_sent, len);
         self.enqueue(OutFrame::new(Header::new(Kind::Send), msg))
+    }
+
+    /// Several messages in order, in as few `writev`s as credits allow: the
+    /// frames that have credits go out together; when one must wait for
+    /// credits, those before it are queued first (so no credit is ever taken
+    /// for a frame that a cancelled caller then does not send).
+    async fn send_many(self: Arc<Self>, msgs: Vec<Bytes>) -> Result<()> {
+        if let Some(m) = msgs.iter().find(|m| m.len() as u64 > self.peer.max_message) {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {} bytes exceeds the peer's limit of {}",
+                m.len(),
+                self.peer.max_message
+            )));
+        }
+        let _order = self.send_order.lock().await;
+        let mut ready = Vec::with_capacity(msgs.len());
+        for msg in msgs {
+            let len = msg.len() as u64;
+            if !self.try_take_credit(len) {
+                self.enqueue_many(std::mem::take(&mut ready))?;
+                self.take_credit(len).await?;
+            }
+            self.stats.add(|s| &s.bytes_sent, len);
+            ready.push(OutFrame::new(Header::new(Kind::Send), msg));
+        }
+        self.enqueue_many(ready)
     }
 
     async fn recv(self: Arc<Self>) -> Result<Incoming> {
@@ -1032,6 +1093,10 @@ impl RawConnection for TcpConnection {
 
     fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
         Box::pin(self.shared.clone().send(msg))
+    }
+
+    fn send_many(&self, msgs: Vec<Bytes>) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().send_many(msgs))
     }
 
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {

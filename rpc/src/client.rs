@@ -16,11 +16,14 @@ use tokio::sync::{oneshot, Semaphore};
 use tracing::{info_span, Instrument};
 
 use crate::error::RpcError;
+use crate::outbox::Outbox;
 use crate::stats::RpcStats;
 use crate::wire::{self, Frame, Kind, Status, FLAG_RENDEZVOUS};
 
 struct Inner {
     conn: Connection,
+    /// Requests of concurrent calls leave together (see `outbox`).
+    outbox: Arc<Outbox>,
     service: String,
     pending: Mutex<HashMap<u64, oneshot::Sender<Frame>>>,
     /// Request bodies lent by rendezvous, until the server pulled them.
@@ -87,7 +90,9 @@ impl Client {
         let mut b = &ok.body[..];
         let credits = b.get_u32_le().max(1);
         let threshold = b.get_u64_le() as usize;
+        let stats = Arc::new(RpcStats::default());
         let inner = Arc::new(Inner {
+            outbox: Outbox::new(conn.clone(), stats.clone()),
             conn,
             service: service.to_string(),
             pending: Mutex::new(HashMap::new()),
@@ -97,7 +102,7 @@ impl Client {
             threshold,
             goaway: AtomicBool::new(false),
             dead: Mutex::new(None),
-            stats: Arc::new(RpcStats::default()),
+            stats,
         });
         tokio::spawn(reader(Arc::downgrade(&inner), inner.conn.clone()));
         Ok(Client { inner })
@@ -191,7 +196,12 @@ impl Client {
         .map_err(|_| RpcError::Protocol("client closed".into()))?;
         let call = inner.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        inner.pending.lock().insert(call, tx);
+        // With other calls in flight, this request may leave with theirs.
+        let batch = {
+            let mut p = inner.pending.lock();
+            p.insert(call, tx);
+            p.len() > 1
+        };
         let mut guard = CancelGuard {
             inner: self.inner.clone(),
             call,
@@ -212,7 +222,7 @@ impl Client {
         } else {
             req.body = body;
         }
-        inner.conn.send(req.encode()).await?;
+        inner.outbox.send(req.encode(), batch).await?;
         let resp = match deadline {
             Some(t) => tokio::time::timeout_at(t.into(), rx)
                 .await
@@ -276,10 +286,11 @@ impl Drop for CancelGuard {
         }
         self.inner.pending.lock().remove(&self.call);
         self.inner.lent.lock().remove(&self.call);
-        let conn = self.inner.conn.clone();
+        let outbox = self.inner.outbox.clone();
         let f = Frame::new(Kind::Cancel, self.method, self.call);
+        // Queued behind the request if that has not left yet.
         tokio::spawn(async move {
-            let _ = conn.send(f.encode()).await;
+            let _ = outbox.send(f.encode(), true).await;
         });
     }
 }

@@ -33,6 +33,7 @@
 
 mod client;
 mod error;
+mod outbox;
 mod server;
 mod stats;
 pub mod wire;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Display;
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::error::RpcError;
+use crate::outbox::{Outbox, MAX_BATCH};
 use crate::stats::RpcStats;
 use crate::wire::{self, Frame, Kind, Status, FLAG_RENDEZVOUS};
 
@@ -260,10 +261,14 @@ impl Server {
         let held: Arc<Mutex<HashMap<u64, MemoryRegion>>> = Arc::default();
         let mut tasks = JoinSet::new();
         let mut goaway_sent = false;
+        // Answers of calls run inline wait here until no further request is
+        // ready, then leave together (see `outbox`).
+        let outbox = Outbox::new(conn.clone(), sh.stats.clone());
         let result = loop {
             if sh.stopping.load(Ordering::Acquire) && !goaway_sent {
                 goaway_sent = true;
-                conn.send(Frame::new(Kind::GoAway, 0, 0).encode()).await?;
+                outbox.push(Frame::new(Kind::GoAway, 0, 0).encode());
+                outbox.flush().await?;
             }
             if goaway_sent && running.lock().is_empty() && tasks.is_empty() {
                 break Ok(());
@@ -271,10 +276,32 @@ impl Server {
             let stop = sh.stop.notified();
             tokio::pin!(stop);
             stop.as_mut().enable();
-            let msg = tokio::select! {
-                m = conn.recv_message() => m,
-                _ = &mut stop, if !goaway_sent => continue,
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+            let mut recv = conn.recv_message().into_future();
+            // Flush queued answers before waiting (or when a batch is full);
+            // while requests are ready, keep serving them first.
+            let ready = if outbox.queued() > 0 {
+                match poll_once(&mut recv).await {
+                    Poll::Ready(m) => {
+                        if outbox.queued() >= MAX_BATCH {
+                            outbox.flush().await?;
+                        }
+                        Some(m)
+                    }
+                    Poll::Pending => {
+                        outbox.flush().await?;
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let msg = match ready {
+                Some(m) => m,
+                None => tokio::select! {
+                    m = &mut recv => m,
+                    _ = &mut stop, if !goaway_sent => continue,
+                    Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+                },
             };
             let frame = match msg.map_err(RpcError::from).and_then(Frame::decode) {
                 Ok(f) => f,
@@ -297,11 +324,12 @@ impl Server {
                         let mut r = Frame::new(Kind::Response, frame.method, frame.call);
                         r.status = reject.unwrap_or(Status::Overloaded);
                         sh.stats.record_error();
-                        conn.send(r.encode()).await?;
+                        outbox.push(r.encode());
                         continue;
                     };
                     let (_, handler) = sh.service.methods[&frame.method].clone();
                     let conn2 = conn.clone();
+                    let outbox2 = outbox.clone();
                     let running2 = running.clone();
                     let held2 = held.clone();
                     let opts = sh.opts;
@@ -312,7 +340,11 @@ impl Server {
                         async move {
                             let t0 = std::time::Instant::now();
                             let resp = run_call(&conn2, &handler, frame, &held2, opts).await;
-                            running2.lock().remove(&call);
+                            let others = {
+                                let mut r = running2.lock();
+                                r.remove(&call);
+                                !r.is_empty()
+                            };
                             // Free the slot before answering: the client reuses
                             // its credit as soon as the answer arrives.
                             drop(permit);
@@ -329,14 +361,19 @@ impl Server {
                                 resp.body.len() as u64,
                                 resp.status != Status::Ok,
                             );
-                            let _ = conn2.send(resp.encode()).await;
+                            // Inline, this only queues the answer; in a task
+                            // of its own, it leaves with others finishing now.
+                            let _ = outbox2.send(resp.encode(), others).await;
                         }
                         .instrument(span),
                     );
                     // A short handler runs to its answer right here, without a
                     // task spawn and the wake-up that costs; one that waits is
                     // moved to a task of its own (it can be cancelled there).
-                    if poll_once(&mut call_fut).await.is_ready() {
+                    outbox.set_deferred(true);
+                    let done = poll_once(&mut call_fut).await.is_ready();
+                    outbox.set_deferred(false);
+                    if done {
                         sh.stats.record_inline();
                         continue;
                     }
@@ -362,6 +399,7 @@ impl Server {
             }
         };
         tasks.abort_all();
+        let _ = outbox.flush().await;
         result
     }
 }

@@ -14,6 +14,8 @@ pub struct RpcStats {
     errors: AtomicU64,
     bytes: AtomicU64,
     inline: AtomicU64,
+    batches: AtomicU64,
+    batched_frames: AtomicU64,
     latency_ns: Mutex<Histogram<u64>>,
 }
 
@@ -24,6 +26,8 @@ impl Default for RpcStats {
             errors: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             inline: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            batched_frames: AtomicU64::new(0),
             latency_ns: Mutex::new(
                 Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("histogram bounds"),
             ),
@@ -43,6 +47,11 @@ pub struct RpcStatsSnapshot {
     /// Calls a server answered inline, in the connection's own task (the
     /// handler finished at its first poll), rather than in a task of their own.
     pub inline: u64,
+    /// Batches of frames sent together (one `send_many`: one `writev` on
+    /// TCP), because several calls or answers were ready at once.
+    pub batches: u64,
+    /// Frames those batches carried (`batched_frames / batches`: frames per send).
+    pub batched_frames: u64,
     /// Median call latency, microseconds.
     pub p50_us: f64,
     /// 99th percentile call latency, microseconds.
@@ -74,6 +83,13 @@ impl RpcStats {
         self.inline.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count one batch of `frames` frames sent together.
+    pub fn record_batch(&self, frames: usize) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.batched_frames
+            .fetch_add(frames as u64, Ordering::Relaxed);
+    }
+
     /// The current values.
     pub fn snapshot(&self) -> RpcStatsSnapshot {
         let h = self.latency_ns.lock();
@@ -89,6 +105,8 @@ impl RpcStats {
             errors: self.errors.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
             inline: self.inline.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+            batched_frames: self.batched_frames.load(Ordering::Relaxed),
             p50_us: q(0.5),
             p99_us: q(0.99),
         }

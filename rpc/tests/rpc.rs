@@ -269,6 +269,61 @@ async fn bad_peers_do_not_stop_the_server(t: &dyn Transport) {
     server.shutdown();
 }
 
+/// Poll `f` once (in the test's task): `Ready` if it finished.
+async fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Output> {
+    std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *f).poll(cx))).await
+}
+
+/// Calls made together leave together: with 64 callers in one runtime tick,
+/// requests and answers go out in batches of several frames (one `writev` on
+/// TCP), and every answer is still the right one.
+async fn concurrent_calls_leave_in_batches(t: &dyn Transport) {
+    let (c, server, _, _) = pair(t, ServerOptions::default()).await;
+    let mut tasks = Vec::new();
+    for task in 0..64u64 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..20u64 {
+                let v = vec![(task * 31 + i) as u8; (task * 20 + i) as usize];
+                let n: u64 = c.call("len", &v).await.unwrap();
+                assert_eq!(n, task * 20 + i);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (cs, ss) = (c.stats().snapshot(), server.stats().snapshot());
+    assert_eq!((cs.calls, cs.errors), (64 * 20, 0));
+    assert!(cs.batches > 0, "{cs:?}");
+    assert!(cs.batched_frames >= 2 * cs.batches, "client: {cs:?}");
+    assert!(ss.batches > 0, "{ss:?}");
+    assert!(ss.batched_frames >= 2 * ss.batches, "server: {ss:?}");
+}
+
+/// A caller that queued the first request of a batch and is dropped before
+/// the batch left does not strand the requests queued behind its own.
+async fn a_dropped_batch_leader_strands_nothing(t: &dyn Transport) {
+    let (c, _, _, _) = pair(t, ServerOptions::default()).await;
+    // One call in flight, so the next ones batch.
+    let mut slow = Box::pin(c.call::<_, u64>("sleep", &300u64));
+    assert!(poll_once(&mut slow).await.is_pending());
+    // The leader: queues its request and waits for the end of the tick.
+    let (ten, twenty) = (vec![1u8; 10], vec![2u8; 20]);
+    let mut leader = Box::pin(c.call::<_, u64>("len", &ten));
+    assert!(poll_once(&mut leader).await.is_pending());
+    // Queued behind it.
+    let mut follower = Box::pin(c.call::<_, u64>("len", &twenty));
+    assert!(poll_once(&mut follower).await.is_pending());
+    drop(leader);
+    let answer = tokio::time::timeout(Duration::from_secs(10), follower)
+        .await
+        .expect("the request queued behind a dropped leader never left");
+    assert_eq!(answer.unwrap(), 20);
+    assert_eq!(slow.await.unwrap(), 300);
+    assert_eq!(c.stats().snapshot().errors, 0);
+}
+
 macro_rules! cases {
     ($modname:ident, $make:expr) => {
         mod $modname {
@@ -303,6 +358,15 @@ macro_rules! cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn bad_peers_do_not_stop_the_server() {
                 super::bad_peers_do_not_stop_the_server(&*transport()).await;
+            }
+            // One thread: all callers run in the same tick, deterministically.
+            #[tokio::test]
+            async fn concurrent_calls_leave_in_batches() {
+                super::concurrent_calls_leave_in_batches(&*transport()).await;
+            }
+            #[tokio::test]
+            async fn a_dropped_batch_leader_strands_nothing() {
+                super::a_dropped_batch_leader_strands_nothing(&*transport()).await;
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn credits_bound_calls_in_flight() {

@@ -80,6 +80,12 @@ echo "RPC: rdmx-rpc and tonic, over TCP and soft RoCE" >&2
 cargo build --release -q -p rdmx-rpc-tonic --example rpc_bench
 if [ -n "${QUICK:-}" ]; then RPCDUR=100; else RPCDUR=1000; fi
 run rpc_bench target/release/examples/rpc_bench --duration-ms $RPCDUR
+# The loaded row (64 B, 64 in flight), three times back to back (noisy on this
+# VM): rdmx-rpc with and without frame coalescing, and tonic.
+for r in 1 2 3; do
+  run rpc_load_r$r target/release/examples/rpc_bench --duration-ms $RPCDUR --sizes 64 --concurrency 64 \
+    --systems rdmx-rpc/tcp,rdmx-rpc/tcp-uncoalesced,tonic/tcp
+done
 
 # Goodput under loss: two network namespaces joined by a veth pair
 # (198.18.0.0/15), nftables dropping a random share of UDP 4791 each way,

@@ -113,6 +113,12 @@ impl Client {
         self.inner.stats.clone()
     }
 
+    /// Let requests of concurrent calls leave together (one `writev` on
+    /// TCP); on by default. Off, each request is sent at once, one send each.
+    pub fn set_coalescing(&self, on: bool) {
+        self.inner.outbox.set_coalesce(on);
+    }
+
     /// The connection underneath.
     pub fn connection(&self) -> &Connection {
         &self.inner.conn

@@ -13,9 +13,11 @@
 //!   request is ready (as Redis writes its replies before it sleeps).
 //!
 //! A sender with nothing else in flight sends directly: a lone call pays no
-//! extra hop.
+//! extra hop. Coalescing can be switched off (every frame is then sent at
+//! once, one send each), to measure what it buys.
 
 use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -39,6 +41,8 @@ struct Queue {
 pub(crate) struct Outbox {
     conn: Connection,
     queue: Mutex<Queue>,
+    /// Coalescing on (the default); off, every frame is sent at once.
+    coalesce: AtomicBool,
     stats: Arc<RpcStats>,
 }
 
@@ -51,6 +55,7 @@ impl Outbox {
                 frames: Vec::new(),
                 deferred: false,
             }),
+            coalesce: AtomicBool::new(true),
             stats,
         })
     }
@@ -60,14 +65,15 @@ impl Outbox {
     /// tick (or before the server loop waits). Frames queued by this call
     /// go out even if the caller is dropped meanwhile.
     pub(crate) async fn send(self: &Arc<Self>, frame: Bytes, batch: bool) -> Result<(), RpcError> {
+        let coalesce = self.coalesce();
         let direct = {
             let mut q = self.queue.lock();
-            if q.deferred || !q.frames.is_empty() {
+            if coalesce && (q.deferred || !q.frames.is_empty()) {
                 // The loop, or the sender that queued first, flushes it.
                 q.frames.push(frame);
                 return Ok(());
             }
-            if batch {
+            if batch && coalesce {
                 q.frames.push(frame);
                 None
             } else {
@@ -92,6 +98,16 @@ impl Outbox {
     /// flushes before it waits.
     pub(crate) fn push(&self, frame: Bytes) {
         self.queue.lock().frames.push(frame);
+    }
+
+    /// Switch coalescing on or off.
+    pub(crate) fn set_coalesce(&self, on: bool) {
+        self.coalesce.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether frames are coalesced.
+    pub(crate) fn coalesce(&self) -> bool {
+        self.coalesce.load(Ordering::Relaxed)
     }
 
     /// Frames waiting to be sent.

@@ -118,6 +118,9 @@ pub struct ServerOptions {
     pub rendezvous_threshold: usize,
     /// How long a rendezvous response waits to be pulled before it is dropped.
     pub rendezvous_hold: Duration,
+    /// Answers ready at once leave together (one `writev` on TCP); off, each
+    /// answer is sent as soon as it is ready (one send each).
+    pub coalesce: bool,
 }
 
 impl Default for ServerOptions {
@@ -126,6 +129,7 @@ impl Default for ServerOptions {
             max_in_flight: 128,
             rendezvous_threshold: 64 << 10,
             rendezvous_hold: Duration::from_secs(30),
+            coalesce: true,
         }
     }
 }
@@ -264,6 +268,7 @@ impl Server {
         // Answers of calls run inline wait here until no further request is
         // ready, then leave together (see `outbox`).
         let outbox = Outbox::new(conn.clone(), sh.stats.clone());
+        outbox.set_coalesce(sh.opts.coalesce);
         let result = loop {
             if sh.stopping.load(Ordering::Acquire) && !goaway_sent {
                 goaway_sent = true;
@@ -279,6 +284,9 @@ impl Server {
             let mut recv = conn.recv_message().into_future();
             // Flush queued answers before waiting (or when a batch is full);
             // while requests are ready, keep serving them first.
+            if outbox.queued() > 0 && !sh.opts.coalesce {
+                outbox.flush().await?;
+            }
             let ready = if outbox.queued() > 0 {
                 match poll_once(&mut recv).await {
                     Poll::Ready(m) => {
@@ -370,7 +378,7 @@ impl Server {
                     // A short handler runs to its answer right here, without a
                     // task spawn and the wake-up that costs; one that waits is
                     // moved to a task of its own (it can be cancelled there).
-                    outbox.set_deferred(true);
+                    outbox.set_deferred(sh.opts.coalesce);
                     let done = poll_once(&mut call_fut).await.is_ready();
                     outbox.set_deferred(false);
                     if done {

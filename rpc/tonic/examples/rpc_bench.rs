@@ -1,5 +1,5 @@
 //! Unary echo benchmark, one run, every system on this host:
-//! rdmx-rpc over TCP and over soft RoCE, tonic over its own TCP, and tonic
+//! rdmx-rpc over TCP (with and without coalescing) and over soft RoCE, tonic over its own TCP, and tonic
 //! over rdmx (TCP and soft RoCE). Prints one JSON line per point:
 //! QPS, p50 and p99 latency, MB/s, and this process's CPU time and context
 //! switches per call (client and server together: both run here).
@@ -56,9 +56,11 @@ impl Plan {
     }
 }
 
-/// CPU seconds (user + system) and context switches (voluntary and not) of
-/// this process so far, summed over its threads from /proc.
-fn process_usage() -> (f64, u64) {
+/// CPU seconds (user + system), context switches (voluntary and not) and
+/// write-family system calls (`write`, `writev`: `syscw` of /proc/self/io;
+/// socket reads by `recvfrom` are not counted there) of this process so far,
+/// summed over its threads.
+fn process_usage() -> (f64, u64, u64) {
     let cpu = std::fs::read_to_string("/proc/self/stat")
         .ok()
         .and_then(|s| {
@@ -88,17 +90,26 @@ fn process_usage() -> (f64, u64) {
             }
         }
     }
-    (cpu, switches)
+    let writes = std::fs::read_to_string("/proc/self/io")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("syscw:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    (cpu, switches, writes)
 }
 
 /// One measured point: calls, elapsed, latency histogram (ns), CPU seconds
-/// and context switches over the run.
+/// context switches and write system calls over the run.
 struct Run {
     calls: u64,
     elapsed: Duration,
     hist: Histogram<u64>,
     cpu: f64,
     switches: u64,
+    writes: u64,
 }
 
 /// Run `conc` loops of `call` for `dur`.
@@ -112,7 +123,7 @@ where
     for _ in 0..20 {
         call().await;
     }
-    let (cpu0, sw0) = process_usage();
+    let (cpu0, sw0, wr0) = process_usage();
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..conc)
         .map(|_| {
@@ -138,13 +149,14 @@ where
         all.add(h).unwrap();
     }
     let elapsed = t0.elapsed();
-    let (cpu1, sw1) = process_usage();
+    let (cpu1, sw1, wr1) = process_usage();
     Run {
         calls: total,
         elapsed,
         hist: all,
         cpu: cpu1 - cpu0,
         switches: sw1.saturating_sub(sw0),
+        writes: wr1.saturating_sub(wr0),
     }
 }
 
@@ -155,16 +167,17 @@ fn report(system: &str, size: usize, conc: usize, r: Run) {
     println!(
         "{{\"system\":\"{system}\",\"size\":{size},\"concurrency\":{conc},\"calls\":{n},\"qps\":{qps:.1},\
          \"p50_us\":{:.2},\"p99_us\":{:.2},\"mb_per_s\":{:.1},\"cpu_us_per_call\":{:.2},\
-         \"switches_per_call\":{:.3}}}",
+         \"switches_per_call\":{:.3},\"writes_per_call\":{:.3}}}",
         r.hist.value_at_quantile(0.5) as f64 / 1000.0,
         r.hist.value_at_quantile(0.99) as f64 / 1000.0,
         qps * size as f64 / 1e6,
         r.cpu * 1e6 / per,
         r.switches as f64 / per,
+        r.writes as f64 / per,
     );
 }
 
-async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
+async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan, coalesce: bool) {
     if !plan.wants(name) {
         return;
     }
@@ -174,6 +187,7 @@ async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
         service,
         ServerOptions {
             max_in_flight: 256,
+            coalesce,
             ..ServerOptions::default()
         },
     );
@@ -183,6 +197,7 @@ async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
     tokio::spawn(async move { s.serve(l).await });
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let client = Client::connect(conn, "bench", 1, &["echo"]).await.unwrap();
+    client.set_coalescing(coalesce);
     for &size in &plan.sizes {
         let body = Bytes::from(vec![0x5au8; size]);
         for &conc in &plan.concurrency {
@@ -303,8 +318,10 @@ fn main() {
         tokio::spawn(async move {
             let tcp: Arc<dyn Transport> = Arc::new(rdmx_transport_tcp::TcpTransport::new());
             let rdma: Arc<dyn Transport> = Arc::new(rdmx_transport_rdma::RdmaTransport::new());
-            rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), &plan).await;
-            rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), &plan).await;
+            rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), &plan, true).await;
+            // The same without coalescing (one send per frame): what it buys.
+            rdmx_rpc("rdmx-rpc/tcp-uncoalesced", tcp.clone(), &plan, false).await;
+            rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), &plan, true).await;
             tonic_over_tcp(&plan).await;
             tonic_over_rdmx("tonic/rdmx-tcp", tcp, &plan).await;
             tonic_over_rdmx("tonic/rdmx-soft-roce", rdma, &plan).await;

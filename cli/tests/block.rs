@@ -124,6 +124,8 @@ fn clients_against(scheme: &str) {
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_fatal=1",
+        // No verify state file left in the working directory.
+        "--verify_state_save=0",
     ]));
     std::fs::remove_dir_all(&dir).unwrap();
 }

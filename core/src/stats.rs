@@ -76,6 +76,8 @@ counters! {
     accept_errors,
     /// Connections opened.
     connections,
+    /// Write system calls on the socket (TCP transport): operations per call show the coalescing.
+    socket_writes,
 }
 
 impl Stats {

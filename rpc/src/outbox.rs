@@ -28,10 +28,18 @@ use crate::error::RpcError;
 use crate::stats::RpcStats;
 
 /// Frames one flush sends at most; the server loop flushes when it has this many.
-pub(crate) const MAX_BATCH: usize = 64;
+const MAX_BATCH: usize = 64;
+/// Bytes one batch holds at most: past this, batching saves no system call
+/// worth having and only holds data back (a batch of 64 answers of 64 KiB
+/// kept the client waiting for 4 MiB: 40% fewer calls per second).
+const MAX_BATCH_BYTES: usize = 128 << 10;
+/// A frame this large is sent on its own when nothing is queued before it.
+const COALESCE_BELOW: usize = 16 << 10;
 
 struct Queue {
     frames: Vec<Bytes>,
+    /// Bytes in `frames`.
+    bytes: usize,
     /// The server loop is polling a call inline: it flushes what is queued
     /// before it next waits, so senders only queue.
     deferred: bool,
@@ -53,6 +61,7 @@ impl Outbox {
             conn,
             queue: Mutex::new(Queue {
                 frames: Vec::new(),
+                bytes: 0,
                 deferred: false,
             }),
             coalesce: AtomicBool::new(true),
@@ -70,11 +79,11 @@ impl Outbox {
             let mut q = self.queue.lock();
             if coalesce && (q.deferred || !q.frames.is_empty()) {
                 // The loop, or the sender that queued first, flushes it.
-                q.frames.push(frame);
+                q.push(frame);
                 return Ok(());
             }
-            if batch && coalesce {
-                q.frames.push(frame);
+            if batch && coalesce && frame.len() < COALESCE_BELOW {
+                q.push(frame);
                 None
             } else {
                 Some(frame)
@@ -97,7 +106,7 @@ impl Outbox {
     /// Queue `frame` without sending it: for the server loop itself, which
     /// flushes before it waits.
     pub(crate) fn push(&self, frame: Bytes) {
-        self.queue.lock().frames.push(frame);
+        self.queue.lock().push(frame);
     }
 
     /// Switch coalescing on or off.
@@ -113,6 +122,12 @@ impl Outbox {
     /// Frames waiting to be sent.
     pub(crate) fn queued(&self) -> usize {
         self.queue.lock().frames.len()
+    }
+
+    /// The queue holds a full batch: send it before queueing more.
+    pub(crate) fn full(&self) -> bool {
+        let q = self.queue.lock();
+        q.frames.len() >= MAX_BATCH || q.bytes >= MAX_BATCH_BYTES
     }
 
     /// While `on` (the server loop polls a call inline), senders only queue.
@@ -133,13 +148,24 @@ impl Outbox {
 
     /// Take the queue and start sending it.
     fn take_batch(&self) -> Option<BoxFuture<'static, Result<(), RpcError>>> {
-        let frames = std::mem::take(&mut self.queue.lock().frames);
+        let frames = {
+            let mut q = self.queue.lock();
+            q.bytes = 0;
+            std::mem::take(&mut q.frames)
+        };
         if frames.is_empty() {
             return None;
         }
         self.stats.record_batch(frames.len());
         let send = self.conn.send_many(frames).into_future();
         Some(Box::pin(async move { Ok(send.await?) }))
+    }
+}
+
+impl Queue {
+    fn push(&mut self, frame: Bytes) {
+        self.bytes += frame.len();
+        self.frames.push(frame);
     }
 }
 

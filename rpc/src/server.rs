@@ -21,7 +21,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::error::RpcError;
-use crate::outbox::{Outbox, MAX_BATCH};
+use crate::outbox::Outbox;
 use crate::stats::RpcStats;
 use crate::wire::{self, Frame, Kind, Status, FLAG_RENDEZVOUS};
 
@@ -290,7 +290,7 @@ impl Server {
             let ready = if outbox.queued() > 0 {
                 match poll_once(&mut recv).await {
                     Poll::Ready(m) => {
-                        if outbox.queued() >= MAX_BATCH {
+                        if outbox.full() {
                             outbox.flush().await?;
                         }
                         Some(m)

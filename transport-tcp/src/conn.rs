@@ -45,6 +45,13 @@ struct WriteQueue {
     frames: VecDeque<OutFrame>,
     /// Someone (a direct writer or the writer task) owns the socket's write side.
     busy: bool,
+    /// The reader is answering a burst of buffered requests: answers queue
+    /// and leave together when the burst ends ([`Shared::uncork`]).
+    corked: bool,
+    /// The writer task was woken to flush requests queued behind others in
+    /// flight: it lets the scheduler tick finish first, so that every request
+    /// made in that tick leaves in the same `writev`.
+    deferred: bool,
     closed: bool,
 }
 
@@ -171,6 +178,8 @@ impl TcpConnection {
             wq: Mutex::new(WriteQueue {
                 frames: VecDeque::new(),
                 busy: false,
+                corked: false,
+                deferred: false,
                 closed: false,
             }),
             writer_wake: Notify::new(),
@@ -252,12 +261,53 @@ impl Shared {
             drop(q);
             return Err(self.disconnected());
         }
-        if q.busy {
+        if q.busy || q.corked {
             q.frames.push_back(make());
             return Ok(false);
         }
         q.busy = true;
         Ok(true)
+    }
+
+    /// Hold answers back while the reader serves a burst of buffered requests.
+    fn cork(&self) {
+        self.wq.lock().corked = true;
+    }
+
+    /// End a burst: what was queued meanwhile goes out in as few `writev`s as
+    /// the socket takes (Redis's "write before sleep": nothing waits on a
+    /// socket read while answers sit in the queue).
+    fn uncork(&self) {
+        let mut q = self.wq.lock();
+        q.corked = false;
+        if q.busy || q.closed || q.frames.is_empty() {
+            return;
+        }
+        q.busy = true;
+        let mut batch = std::mem::take(&mut q.frames);
+        drop(q);
+        let res = write_some(&self.stream, &self.stats, &mut batch);
+        self.release_direct(batch.into_iter(), res);
+    }
+
+    /// Queue a request made while others are in flight; the writer task sends
+    /// it with every other request made in the same scheduler tick, in one
+    /// `writev` (a lone request goes out at once, by [`Shared::enqueue`]).
+    fn enqueue_deferred(&self, frame: OutFrame) -> Result<()> {
+        let mut q = self.wq.lock();
+        if q.closed {
+            drop(q);
+            return Err(self.disconnected());
+        }
+        q.frames.push_back(frame);
+        if q.busy || q.corked {
+            return Ok(());
+        }
+        q.busy = true;
+        q.deferred = true;
+        drop(q);
+        self.writer_wake.notify_one();
+        Ok(())
     }
 
     /// After a direct write: queue what did not fit (first, to keep order) and
@@ -289,7 +339,7 @@ impl Shared {
             return Ok(());
         }
         let mut one = VecDeque::from([slot.take().expect("frame")]);
-        let res = write_some(&self.stream, &mut one);
+        let res = write_some(&self.stream, &self.stats, &mut one);
         self.release_direct(one.into_iter(), res);
         Ok(())
     }
@@ -306,14 +356,14 @@ impl Shared {
                 drop(q);
                 return Err(self.disconnected());
             }
-            if q.busy {
+            if q.busy || q.corked {
                 q.frames.extend(frames);
                 return Ok(());
             }
             q.busy = true;
         }
         let mut batch = VecDeque::from(frames);
-        let res = write_some(&self.stream, &mut batch);
+        let res = write_some(&self.stream, &self.stats, &mut batch);
         self.release_direct(batch.into_iter(), res);
         Ok(())
     }
@@ -340,6 +390,7 @@ impl Shared {
             }
             let (hp, dp) = (done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN));
             let iov = [IoSlice::new(&hdr[hp..]), IoSlice::new(&data[dp..])];
+            self.stats.add(|s| &s.socket_writes, 1);
             match self.stream.try_write_vectored(&iov) {
                 Ok(n) => done += n,
                 Err(e) => break Err(e),
@@ -355,6 +406,9 @@ impl Shared {
         let mut batch: VecDeque<OutFrame> = VecDeque::new();
         loop {
             self.writer_wake.notified().await;
+            if std::mem::take(&mut self.wq.lock().deferred) {
+                tokio::task::yield_now().await;
+            }
             loop {
                 {
                     let mut q = self.wq.lock();
@@ -376,7 +430,7 @@ impl Shared {
                 }
                 self.write_drained.notify_waiters();
                 while !batch.is_empty() {
-                    match write_some(&self.stream, &mut batch) {
+                    match write_some(&self.stream, &self.stats, &mut batch) {
                         Ok(()) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             if let Err(e) = self.stream.writable().await {
@@ -518,7 +572,18 @@ impl Shared {
 
     async fn read_loop(&self) -> Result<()> {
         let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        // Answers are corked while further requests are already buffered, and
+        // leave together before the reader waits on the socket again.
+        let mut corked = false;
+        let uncork = |corked: &mut bool| {
+            if std::mem::take(corked) {
+                self.uncork();
+            }
+        };
         loop {
+            if buf.len() < HEADER_LEN {
+                uncork(&mut corked);
+            }
             while buf.len() < HEADER_LEN {
                 if let Err(e) = self.read_more(&mut buf).await {
                     return read_error(e);
@@ -528,6 +593,7 @@ impl Shared {
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             let total = HEADER_LEN + h.payload_len as usize;
             if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
+                uncork(&mut corked);
                 buf.advance(HEADER_LEN);
                 if h.kind == Kind::Write {
                     self.write_direct(&h, &mut buf).await?;
@@ -540,6 +606,7 @@ impl Shared {
                 continue;
             }
             if buf.len() < total {
+                uncork(&mut corked);
                 buf.reserve(total - buf.len());
                 while buf.len() < total {
                     if let Err(e) = self.read_more(&mut buf).await {
@@ -550,6 +617,15 @@ impl Shared {
             let mut frame = buf.split_to(total);
             frame.advance(HEADER_LEN);
             let payload = frame.freeze();
+            // A large read is answered straight from the region, uncorked
+            // (a corked answer would be copied).
+            let large_read = h.kind == Kind::Read && h.imm as usize >= DIRECT_MIN;
+            if large_read {
+                uncork(&mut corked);
+            } else if buf.len() >= HEADER_LEN && !corked {
+                self.cork();
+                corked = true;
+            }
             if !self.handle(h, payload).await? {
                 return Ok(());
             }
@@ -694,14 +770,23 @@ impl Shared {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         h.id = id;
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().insert(id, tx);
+        let others_in_flight = {
+            let mut pending = self.pending.lock();
+            pending.insert(id, tx);
+            pending.len() > 1
+        };
         // Removes the waiter if this future is dropped before the response.
         let _guard = PendingGuard { shared: self, id };
         if let Some(e) = self.closed_error() {
             return Err(e);
         }
         self.stats.add(|s| &s.bytes_sent, payload.len() as u64);
-        self.enqueue(OutFrame::new(h, payload))?;
+        let frame = OutFrame::new(h, payload);
+        if others_in_flight {
+            self.enqueue_deferred(frame)?;
+        } else {
+            self.enqueue(frame)?;
+        }
         rx.await.map_err(|_| self.disconnected())
     }
 
@@ -1045,7 +1130,11 @@ async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
 
 /// Write as much of `frames` as the socket takes without blocking; fully
 /// written frames are removed, a partly written one is advanced.
-fn write_some(stream: &TcpStream, frames: &mut VecDeque<OutFrame>) -> io::Result<()> {
+fn write_some(
+    stream: &TcpStream,
+    stats: &Stats,
+    frames: &mut VecDeque<OutFrame>,
+) -> io::Result<()> {
     while !frames.is_empty() {
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(frames.len().min(MAX_IOV) * 2);
         for f in frames.iter().take(MAX_IOV) {
@@ -1056,6 +1145,7 @@ fn write_some(stream: &TcpStream, frames: &mut VecDeque<OutFrame>) -> io::Result
                 iov.push(IoSlice::new(&f.payload));
             }
         }
+        stats.add(|s| &s.socket_writes, 1);
         let mut n = stream.try_write_vectored(&iov)?;
         drop(iov);
         while n > 0 {

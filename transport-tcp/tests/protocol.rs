@@ -1,6 +1,7 @@
 //! TCP-specific behaviour: handshake (version, authentication), malformed
 //! frames, and run-time transport selection with fallback.
 
+use std::future::IntoFuture;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -437,4 +438,52 @@ async fn busy_poll_mode_works() {
         );
     }
     assert_eq!(mr.load_u64(8), 200);
+}
+
+/// Operations issued together leave together: the requester sends the
+/// requests made in one scheduler tick in one `writev`, and the responder
+/// answers a burst of buffered requests in one `writev` too (before, each
+/// took a system call of its own on each side).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_operations_share_system_calls() {
+    const N: u64 = 64;
+    let opts = Options::default();
+    // Words 0..N are read, words N..2N incremented.
+    let mr = opts.domain.register(16 * N as usize, Access::ALL);
+    for i in 0..2 * N {
+        mr.store_u64(8 * i as usize, 1000 + i);
+    }
+    let (mut l, addr) = listen(&opts).await;
+    let (c, s) = tokio::join!(TcpTransport::new().connect(&addr, &opts), l.accept());
+    let (c, s) = (c.unwrap(), s.unwrap());
+    let (c0, s0) = (c.stats().socket_writes, s.stats().socket_writes);
+    let reads = (0..N).map(|i| c.read(mr.remote().slice(8 * i, 8).unwrap()).into_future());
+    let adds = (0..N).map(|i| {
+        c.fetch_and_add(mr.remote().word(8 * (N + i)).unwrap(), i)
+            .into_future()
+    });
+    let (got, old) = tokio::join!(
+        futures_util::future::join_all(reads),
+        futures_util::future::join_all(adds)
+    );
+    for i in 0..N {
+        let v = u64::from_le_bytes(got[i as usize].as_ref().unwrap()[..].try_into().unwrap());
+        assert_eq!(v, 1000 + i, "read {i}");
+        assert_eq!(*old[i as usize].as_ref().unwrap(), 1000 + N + i, "faa {i}");
+        assert_eq!(mr.load_u64(8 * (N + i) as usize), 1000 + N + 2 * i);
+    }
+    let client_writes = c.stats().socket_writes - c0;
+    let server_writes = s.stats().socket_writes - s0;
+    eprintln!(
+        "{} operations: {client_writes} client writes, {server_writes} server writes",
+        2 * N
+    );
+    assert!(
+        client_writes <= 2 * N / 8,
+        "client made {client_writes} writes"
+    );
+    assert!(
+        server_writes <= 2 * N / 8,
+        "server made {server_writes} writes"
+    );
 }

@@ -18,8 +18,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Fast paths: `TCP_NODELAY`; a frame is written directly by the caller when the
-//! socket is idle and batched into `writev` calls by a writer task under load;
+//! Fast paths: `TCP_NODELAY`; a lone request is written directly by the caller;
+//! requests made while others are in flight leave together at the end of the
+//! scheduler tick, and answers to a burst of buffered requests in one `writev`;
 //! payloads are `Bytes` handed to the kernel without copies; optional busy
 //! polling ([`rdmx_core::Options::busy_poll`]) for latency-critical users.
 

@@ -20,7 +20,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -119,6 +119,7 @@ struct Counters {
     wrong_source: AtomicU64,
     ce_marked: AtomicU64,
     tx_blocked: AtomicU64,
+    tx_calls: AtomicU64,
 }
 
 /// A snapshot of a soft device's counters.
@@ -144,6 +145,8 @@ pub struct DeviceStats {
     pub ce_marked: u64,
     /// Times a send found the socket buffer full (the rest waited for space).
     pub tx_blocked: u64,
+    /// Send system calls (one carries a GSO batch of packets where the kernel has GSO).
+    pub tx_calls: u64,
 }
 
 struct Capture {
@@ -378,6 +381,7 @@ impl SoftRoce {
             wrong_source: l(&c.wrong_source),
             ce_marked: l(&c.ce_marked),
             tx_blocked: l(&c.tx_blocked),
+            tx_calls: l(&c.tx_calls),
         }
     }
 
@@ -514,6 +518,7 @@ impl ProtectionDomain for SoftPd {
             }),
             deadline: AtomicU64::new(u64::MAX),
             sink: Mutex::new(None),
+            pump_due: AtomicBool::new(false),
         });
         dev.qps.write().insert(qpn, qp.clone());
         Ok(Arc::new(SoftQpHandle(qp)))
@@ -557,6 +562,9 @@ pub(crate) struct SoftQp {
     deadline: AtomicU64,
     /// Where protocol events are counted, and what was counted so far.
     sink: Mutex<Option<(Arc<Stats>, QpStats)>>,
+    /// A pump is scheduled for the end of this scheduler tick
+    /// ([`SoftQp::pump_soon`]).
+    pump_due: AtomicBool,
 }
 
 /// Responder access to the domain's regions (the engine's memory trait).
@@ -861,6 +869,24 @@ impl SoftQp {
         self.count(inner.qp.stats());
     }
 
+    /// Pump once the scheduler tick's other ready tasks have run: a work
+    /// request posted while others are outstanding leaves with every request
+    /// posted in that tick, in one GSO batch, instead of one datagram and one
+    /// system call each (the TCP transport batches its requests the same way).
+    fn pump_soon(self: &Arc<Self>) {
+        if self.pump_due.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let qp = self.clone();
+        self.dev.handle.spawn(async move {
+            tokio::task::yield_now().await;
+            // Cleared before pumping: a request posted after this point
+            // schedules a pump of its own, one posted before it is sent now.
+            qp.pump_due.store(false, Ordering::Release);
+            qp.pump();
+        });
+    }
+
     fn transmit(self: &Arc<Self>, inner: &mut Inner) {
         let (Some(tx), Some(peer)) = (inner.tx.clone(), inner.peer) else {
             // Not connected: drop anything the engine queued (e.g. flush-time ACKs).
@@ -878,6 +904,7 @@ impl SoftQp {
                     self.dev.record(tx.local, peer.addr, &p, ecn);
                 }
                 let c = &self.dev.counters;
+                c.tx_calls.fetch_add(1, Ordering::Relaxed);
                 match raw.send(tx.local, peer.addr, id, ecn, &inner.out) {
                     Ok(()) => {
                         c.tx_packets.fetch_add(1, Ordering::Relaxed);
@@ -948,6 +975,7 @@ impl SoftQp {
                 segment_size: (j - i > 1).then_some(size),
                 src_ip: None,
             };
+            self.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
             match try_send(tx, &t) {
                 Ok(()) => {
                     let c = &self.dev.counters;
@@ -1016,6 +1044,7 @@ impl SoftQp {
                         segment_size: None,
                         src_ip: None,
                     };
+                    qp.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
                     match try_send(&tx, &t) {
                         Ok(()) => {
                             let c = &qp.dev.counters;
@@ -1208,13 +1237,18 @@ impl QueuePair for SoftQpHandle {
     }
 
     fn post_send(&self, wr: SendWr) -> Result<()> {
-        self.0
-            .inner
-            .lock()
-            .qp
-            .post_send(wr.wr_id, op_to_wr(wr.op))
-            .map_err(qp_err)?;
-        self.0.pump();
+        let others_outstanding = {
+            let mut g = self.0.inner.lock();
+            g.qp.post_send(wr.wr_id, op_to_wr(wr.op)).map_err(qp_err)?;
+            g.qp.outstanding() > 1
+        };
+        // A lone request goes out at once; one posted behind others joins
+        // the batch of this scheduler tick.
+        if others_outstanding {
+            self.0.pump_soon();
+        } else {
+            self.0.pump();
+        }
         Ok(())
     }
 

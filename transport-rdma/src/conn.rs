@@ -403,6 +403,11 @@ pub(crate) struct Shared {
     incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
     credits: Mutex<Credits>,
     credit_notify: Notify,
+    /// Sends and writes with immediate post in the order they were first
+    /// polled (a FIFO lock held from the credit to the post): without it, a
+    /// send that finds a credit returned while an earlier one waits on the
+    /// credit notice would overtake it.
+    send_order: tokio::sync::Mutex<()>,
     /// One permit per operation in flight (`Options::max_inflight`, also the
     /// send queue depth): later operations wait, as the capabilities say.
     inflight: Arc<Semaphore>,
@@ -565,6 +570,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             bytes: agreed.peer.window,
         }),
         credit_notify: Notify::new(),
+        send_order: tokio::sync::Mutex::new(()),
         inflight: Arc::new(Semaphore::new(max_inflight.max(1) as usize)),
         dead: Mutex::new(None),
         is_dead: AtomicBool::new(false),
@@ -1232,6 +1238,7 @@ impl RawConnection for RdmaConnection {
                     sh.peer_limits.max_message
                 )));
             }
+            let order = sh.send_order.lock().await;
             let permit = sh.permit().await?;
             sh.take_credit(len).await?;
             let rx = sh.submit(
@@ -1241,6 +1248,7 @@ impl RawConnection for RdmaConnection {
                 },
                 permit,
             )?;
+            drop(order);
             wait(rx, &sh).await.map(|_| ())
         })
     }
@@ -1293,9 +1301,13 @@ impl RawConnection for RdmaConnection {
                     dst.len
                 )));
             }
+            // The immediate consumes a receive at the peer, in order with sends.
+            let order = match imm {
+                Some(_) => Some(sh.send_order.lock().await),
+                None => None,
+            };
             let permit = sh.permit().await?;
             if imm.is_some() {
-                // The immediate consumes a receive at the peer.
                 sh.take_credit(0).await?;
             }
             let rx = sh.submit(
@@ -1306,6 +1318,7 @@ impl RawConnection for RdmaConnection {
                 },
                 permit,
             )?;
+            drop(order);
             wait(rx, &sh).await.map(|_| ())
         })
     }

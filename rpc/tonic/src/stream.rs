@@ -1,0 +1,351 @@
+//! [`RdmxStream`]: an rdmx connection as a tokio byte stream.
+//!
+//! Writes land in a buffer shared with the stream's sender task (one copy:
+//! the caller's bytes are borrowed). A flush only asks the sender to send;
+//! it does not wait for the peer's acknowledgement, as a flush to a TCP
+//! socket does not wait for the peer's ACK. The sender lets the scheduler
+//! tick finish first, so that everything written in that tick (HTTP/2
+//! flushes after every 16 KiB frame) leaves as one message of up to
+//! [`CHUNK`] bytes, and keeps up to [`MAX_SENDS`] messages ([`MAX_SENDING`]
+//! bytes) in flight, in order. A writer more than [`MAX_BUFFERED`] bytes
+//! ahead waits. A failed send fails the next write or flush.
+
+use std::collections::VecDeque;
+use std::future::{poll_fn, Future, IntoFuture};
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll, Waker};
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use rdmx_core::{Connection, Error};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// Largest message the sender makes; a buffer this full is sent at once.
+pub(crate) const CHUNK: usize = 256 << 10;
+/// Messages a stream has in flight at most: the writer never waits a round
+/// trip per message (on RDMA a send completes when the peer acknowledges it).
+pub(crate) const MAX_SENDS: usize = 16;
+/// Bytes a stream has in flight at most.
+pub(crate) const MAX_SENDING: usize = 4 << 20;
+/// Bytes a writer may have buffered ahead of the sender.
+pub(crate) const MAX_BUFFERED: usize = 4 << 20;
+
+/// What the writer and the sender task share.
+#[derive(Default)]
+struct Outgoing {
+    buf: BytesMut,
+    /// The writer flushed: send `buf` even if it is short.
+    flush: bool,
+    /// The writer shut down: close after the last byte.
+    close: bool,
+    /// Why the sender stopped, if a send failed.
+    failed: Option<Error>,
+    /// The sender task, waiting for bytes.
+    sender: Option<Waker>,
+    /// The writer, waiting for room.
+    writer: Option<Waker>,
+}
+
+impl Outgoing {
+    fn wake_sender(&mut self) {
+        if let Some(w) = self.sender.take() {
+            w.wake();
+        }
+    }
+}
+
+/// An rdmx connection as a byte stream (`AsyncRead + AsyncWrite`); see the
+/// module doc for how writes travel.
+pub struct RdmxStream {
+    conn: Connection,
+    /// Unread rest of the last message received.
+    pending: Bytes,
+    recv: Option<BoxFuture<rdmx_core::Result<Bytes>>>,
+    out: Arc<Mutex<Outgoing>>,
+    eof: bool,
+}
+
+impl std::fmt::Debug for RdmxStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmxStream")
+            .field("transport", &self.conn.transport())
+            .finish()
+    }
+}
+
+fn io_err(e: Error) -> io::Error {
+    let kind = match e {
+        Error::Disconnected(_) => io::ErrorKind::ConnectionReset,
+        Error::TimedOut(_) => io::ErrorKind::TimedOut,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+impl RdmxStream {
+    /// Wrap `conn` (use one connection per stream). Starts the stream's
+    /// sender task on the current tokio runtime.
+    pub fn new(conn: Connection) -> RdmxStream {
+        let out = Arc::new(Mutex::new(Outgoing::default()));
+        tokio::spawn(sender(conn.clone(), out.clone()));
+        RdmxStream {
+            conn,
+            pending: Bytes::new(),
+            recv: None,
+            out,
+            eof: false,
+        }
+    }
+
+    /// The rdmx connection underneath.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Buffer `bufs`, waiting while the writer is [`MAX_BUFFERED`] ahead.
+    fn poll_buffer(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let mut o = self.out.lock();
+        if let Some(e) = o.failed.clone() {
+            return Poll::Ready(Err(io_err(e)));
+        }
+        if o.close {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the stream was shut down",
+            )));
+        }
+        if o.buf.len() >= MAX_BUFFERED {
+            o.writer = Some(cx.waker().clone());
+            o.wake_sender();
+            return Poll::Pending;
+        }
+        let mut n = 0;
+        for b in bufs {
+            let take = b.len().min(MAX_BUFFERED - o.buf.len());
+            if take == 0 {
+                break;
+            }
+            o.buf.extend_from_slice(&b[..take]);
+            n += take;
+        }
+        if o.buf.len() >= CHUNK {
+            o.wake_sender();
+        }
+        Poll::Ready(Ok(n))
+    }
+}
+
+/// Take the next message from `out`: a full [`CHUNK`], or (once the
+/// scheduler tick that flushed is over) whatever a flush left.
+fn take(out: &Mutex<Outgoing>, tick_over: bool) -> Option<Bytes> {
+    let mut o = out.lock();
+    let full = o.buf.len() >= CHUNK;
+    let flushed = o.flush && tick_over && !o.buf.is_empty();
+    if !(full || flushed) {
+        return None;
+    }
+    let n = o.buf.len().min(CHUNK);
+    let msg = o.buf.split_to(n).freeze();
+    if o.buf.is_empty() {
+        o.flush = false;
+    }
+    if let Some(w) = o.writer.take() {
+        w.wake();
+    }
+    Some(msg)
+}
+
+/// Where the sender is in waiting out a flush's scheduler tick.
+enum Tick {
+    Idle,
+    Yielding(BoxFuture<()>),
+    Over,
+}
+
+/// The stream's sender task (see the module doc); closes the connection
+/// gracefully after the last byte if the writer shut down.
+async fn sender(conn: Connection, out: Arc<Mutex<Outgoing>>) {
+    let mut sends: VecDeque<(usize, BoxFuture<rdmx_core::Result<()>>)> = VecDeque::new();
+    let mut sending = 0usize;
+    // A flush waits for the end of the scheduler tick it happened in.
+    let mut tick = Tick::Idle;
+    let res = poll_fn(|cx| loop {
+        // Finished sends leave; the first failure ends the task.
+        let mut i = 0;
+        while i < sends.len() {
+            match sends[i].1.as_mut().poll(cx) {
+                Poll::Ready(r) => {
+                    let (len, _) = sends.remove(i).expect("in range");
+                    sending -= len;
+                    if let Err(e) = r {
+                        return Poll::Ready(Err(e));
+                    }
+                }
+                Poll::Pending => i += 1,
+            }
+        }
+        if sends.len() >= MAX_SENDS || sending >= MAX_SENDING {
+            return Poll::Pending;
+        }
+        if let Tick::Yielding(t) = &mut tick {
+            if t.as_mut().poll(cx).is_ready() {
+                tick = Tick::Over;
+            }
+        }
+        if let Some(msg) = take(&out, matches!(tick, Tick::Over)) {
+            let n = msg.len();
+            // Started (and so ordered) before the next one is.
+            let mut f: BoxFuture<rdmx_core::Result<()>> = Box::pin(conn.send(msg).into_future());
+            match f.as_mut().poll(cx) {
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) => {}
+                Poll::Pending => {
+                    sends.push_back((n, f));
+                    sending += n;
+                }
+            }
+            continue;
+        }
+        let mut o = out.lock();
+        if o.flush && !o.buf.is_empty() {
+            // Flushed: send once the rest of this tick has written too.
+            match tick {
+                Tick::Idle => {
+                    tick = Tick::Yielding(Box::pin(tokio::task::yield_now()));
+                    drop(o);
+                    continue;
+                }
+                // Woken when the tick is over.
+                Tick::Yielding(_) => return Poll::Pending,
+                // Flushed again after the tick that let the last bytes go:
+                // nothing to wait for, `take` sends it now.
+                Tick::Over => {
+                    drop(o);
+                    continue;
+                }
+            }
+        }
+        tick = Tick::Idle;
+        if o.close && o.buf.is_empty() {
+            drop(o);
+            return if sends.is_empty() {
+                Poll::Ready(Ok(true))
+            } else {
+                Poll::Pending
+            };
+        }
+        o.sender = Some(cx.waker().clone());
+        return Poll::Pending;
+    })
+    .await;
+    match res {
+        Ok(close) => {
+            if close {
+                let _ = conn.close().await;
+            }
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "rdmx stream: a send failed");
+            let mut o = out.lock();
+            o.failed = Some(e);
+            if let Some(w) = o.writer.take() {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// Dropping the stream sends what is buffered and then closes the
+/// connection gracefully, as dropping a `TcpStream` does.
+impl Drop for RdmxStream {
+    fn drop(&mut self) {
+        let mut o = self.out.lock();
+        o.flush = true;
+        o.close = true;
+        o.wake_sender();
+    }
+}
+
+impl AsyncRead for RdmxStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        while this.pending.is_empty() {
+            if this.eof {
+                return Poll::Ready(Ok(()));
+            }
+            let fut = this.recv.get_or_insert_with(|| {
+                let c = this.conn.clone();
+                Box::pin(async move { c.recv_message().await })
+            });
+            match ready!(fut.as_mut().poll(cx)) {
+                Ok(m) => this.pending = m,
+                // The peer closed: end of stream.
+                Err(Error::Disconnected(_)) => this.eof = true,
+                Err(e) => {
+                    this.recv = None;
+                    return Poll::Ready(Err(io_err(e)));
+                }
+            }
+            this.recv = None;
+        }
+        let n = this.pending.len().min(buf.remaining());
+        buf.put_slice(&this.pending.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for RdmxStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_buffer(cx, &[io::IoSlice::new(data)])
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_buffer(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    /// Asks the sender task to send what is buffered; does not wait for the peer.
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut o = self.out.lock();
+        if let Some(e) = o.failed.clone() {
+            return Poll::Ready(Err(io_err(e)));
+        }
+        if !o.buf.is_empty() {
+            o.flush = true;
+            o.wake_sender();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Sends what is buffered, then closes the connection gracefully.
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut o = self.out.lock();
+        o.flush = true;
+        o.close = true;
+        o.wake_sender();
+        Poll::Ready(Ok(()))
+    }
+}

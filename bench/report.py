@@ -342,8 +342,31 @@ if rpc:
             target(f"1 MiB, {conc} in flight: rdmx-rpc/tcp throughput ≥ tonic's",
                    f"{f(a['mb_per_s'], 1)} vs {f(b['mb_per_s'], 1)} MB/s", a["mb_per_s"] >= b["mb_per_s"])
     w("")
+tonic_runs = [x for x in (rdmx(f"rpc_tonic_r{i}") for i in (1, 2, 3)) if x]
+tonic = {}
+if tonic_runs:
+    w("### tonic over rdmx against tonic over TCP, three runs back to back\n")
+    w(f"Command: `{cmd('rpc_tonic_r1')}` (three times). The unmodified tonic echo service and "
+      "client; QPS is the median over the runs, spread = (max − min) / median, × tonic/tcp is "
+      "the ratio of medians.\n")
+    w("| system | size | concurrency | QPS | spread | MB/s | × tonic/tcp |")
+    w("|---|---:|---:|---:|---:|---:|---:|")
+    points = sorted({(r["size"], r["concurrency"]) for run_ in tonic_runs for r in run_})
+    for system in ("tonic/tcp", "tonic/rdmx-tcp", "tonic/rdmx-soft-roce"):
+        for size, conc in points:
+            pts = [r for run_ in tonic_runs for r in run_
+                   if r["system"] == system and r["size"] == size and r["concurrency"] == conc]
+            if not pts:
+                continue
+            q, spread = med([p["qps"] for p in pts])
+            mb, _ = med([p["mb_per_s"] for p in pts])
+            tonic[(system, size, conc)] = q
+            base = tonic.get(("tonic/tcp", size, conc))
+            x = f(q / base) if base else "—"
+            w(f"| {system} | {size} | {conc} | {f(q, 0)} | {f(spread, 0)}% | {f(mb, 1)} | {x} |")
+    w("")
 if rpc and load:
-    w("## Targets (issue 14, RPC under load), checked by the script\n")
+    w("## Targets (issue 14: RPC under load, tonic over rdmx), checked by the script\n")
     w("| target | measured | met |")
     w("|---|---|---|")
     a, u, t = load.get("rdmx-rpc/tcp"), load.get("rdmx-rpc/tcp-uncoalesced"), load.get("tonic/tcp")
@@ -356,6 +379,15 @@ if rpc and load:
                f"{f(a[3])} vs {f(u[3])} µs uncoalesced", a[3] < u[3])
         target("coalescing cuts write system calls per call (64 B, 64 in flight)",
                f"{f(a[4], 3)} vs {f(u[4], 3)} uncoalesced", a[4] < u[4])
+    for system, want in (("tonic/rdmx-soft-roce", 0.8), ("tonic/rdmx-tcp", 1.0)):
+        ratios = [(size, conc, tonic[(system, size, conc)] / b)
+                  for (s_, size, conc), b in tonic.items()
+                  if s_ == "tonic/tcp" and (system, size, conc) in tonic]
+        if ratios:
+            worst = min(ratios, key=lambda r: r[2])
+            target(f"{system} ≥ {want} × tonic/tcp QPS at every size and concurrency (medians of 3)",
+                   f"worst {f(worst[2])} × ({worst[0]} B, {worst[1]} in flight); best "
+                   f"{f(max(r[2] for r in ratios))} ×", worst[2] >= want)
     w("")
 w("![latency and bandwidth against size](bench/perf-tcp.svg)\n")
 w("`bench/perf-tcp.svg` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg bench/perf-tcp.svg` in the same run.\n")

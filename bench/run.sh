@@ -86,6 +86,11 @@ for r in 1 2 3; do
   run rpc_load_r$r target/release/examples/rpc_bench --duration-ms $RPCDUR --sizes 64 --concurrency 64 \
     --systems rdmx-rpc/tcp,rdmx-rpc/tcp-uncoalesced,tonic/tcp
 done
+# tonic over rdmx against tonic over its own TCP, three times back to back.
+for r in 1 2 3; do
+  run rpc_tonic_r$r target/release/examples/rpc_bench --duration-ms $RPCDUR --sizes 64,4096,65536,1048576 \
+    --concurrency 1,64 --systems tonic/tcp,tonic/rdmx-tcp,tonic/rdmx-soft-roce
+done
 
 # Goodput under loss: two network namespaces joined by a veth pair
 # (198.18.0.0/15), nftables dropping a random share of UDP 4791 each way,

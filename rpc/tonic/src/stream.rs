@@ -1,14 +1,15 @@
 //! [`RdmxStream`]: an rdmx connection as a tokio byte stream.
 //!
 //! Writes land in a buffer shared with the stream's sender task (one copy:
-//! the caller's bytes are borrowed). A flush only asks the sender to send;
-//! it does not wait for the peer's acknowledgement, as a flush to a TCP
-//! socket does not wait for the peer's ACK. The sender lets the scheduler
-//! tick finish first, so that everything written in that tick (HTTP/2
-//! flushes after every 16 KiB frame) leaves as one message of up to
-//! [`CHUNK`] bytes, and keeps up to [`MAX_SENDS`] messages ([`MAX_SENDING`]
-//! bytes) in flight, in order. A writer more than [`MAX_BUFFERED`] bytes
-//! ahead waits. A failed send fails the next write or flush.
+//! the caller's bytes are borrowed). A flush does not wait for the peer's
+//! acknowledgement, as a flush to a TCP socket does not wait for the peer's
+//! ACK. A flush that finds the sender idle starts its send itself (no task
+//! hop for a lone message); otherwise the sender lets the scheduler tick
+//! finish first, so that everything written in that tick (HTTP/2 flushes
+//! after every 16 KiB frame) leaves as one message of up to [`CHUNK`] bytes.
+//! The sender keeps up to [`MAX_SENDS`] messages ([`MAX_SENDING`] bytes) in
+//! flight, in order. A writer more than [`MAX_BUFFERED`] bytes ahead waits.
+//! A failed send fails the next write or flush.
 
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future, IntoFuture};
@@ -48,6 +49,15 @@ struct Outgoing {
     sender: Option<Waker>,
     /// The writer, waiting for room.
     writer: Option<Waker>,
+    /// The sender is parked with nothing in flight: a flush may send itself
+    /// (no task hop for a lone message).
+    idle: bool,
+    /// The writer is starting a send itself: the sender takes nothing
+    /// meanwhile (so the two cannot start sends out of order).
+    writer_sending: bool,
+    /// Sends the writer started that did not finish at once; the sender
+    /// drives them from here on.
+    adopted: VecDeque<(usize, BoxFuture<rdmx_core::Result<()>>)>,
 }
 
 impl Outgoing {
@@ -147,6 +157,9 @@ impl RdmxStream {
 /// scheduler tick that flushed is over) whatever a flush left.
 fn take(out: &Mutex<Outgoing>, tick_over: bool) -> Option<Bytes> {
     let mut o = out.lock();
+    if o.writer_sending {
+        return None;
+    }
     let full = o.buf.len() >= CHUNK;
     let flushed = o.flush && tick_over && !o.buf.is_empty();
     if !(full || flushed) {
@@ -178,6 +191,15 @@ async fn sender(conn: Connection, out: Arc<Mutex<Outgoing>>) {
     // A flush waits for the end of the scheduler tick it happened in.
     let mut tick = Tick::Idle;
     let res = poll_fn(|cx| loop {
+        {
+            let mut o = out.lock();
+            o.idle = false;
+            // Older than anything `take` gives next.
+            while let Some((n, f)) = o.adopted.pop_front() {
+                sending += n;
+                sends.push_back((n, f));
+            }
+        }
         // Finished sends leave; the first failure ends the task.
         let mut i = 0;
         while i < sends.len() {
@@ -215,9 +237,24 @@ async fn sender(conn: Connection, out: Arc<Mutex<Outgoing>>) {
             continue;
         }
         let mut o = out.lock();
+        if !o.adopted.is_empty() {
+            continue;
+        }
+        if o.writer_sending {
+            // Woken when the writer is done.
+            o.sender = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
         if o.flush && !o.buf.is_empty() {
             // Flushed: send once the rest of this tick has written too.
             match tick {
+                // Nothing in flight: a lone flush goes at once, as a lone
+                // call does in rdmx-rpc.
+                Tick::Idle if sends.is_empty() => {
+                    tick = Tick::Over;
+                    drop(o);
+                    continue;
+                }
                 Tick::Idle => {
                     tick = Tick::Yielding(Box::pin(tokio::task::yield_now()));
                     drop(o);
@@ -242,6 +279,7 @@ async fn sender(conn: Connection, out: Arc<Mutex<Outgoing>>) {
                 Poll::Pending
             };
         }
+        o.idle = sends.is_empty();
         o.sender = Some(cx.waker().clone());
         return Poll::Pending;
     })
@@ -328,16 +366,47 @@ impl AsyncWrite for RdmxStream {
     }
 
     /// Asks the sender task to send what is buffered; does not wait for the peer.
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut o = self.out.lock();
         if let Some(e) = o.failed.clone() {
             return Poll::Ready(Err(io_err(e)));
         }
-        if !o.buf.is_empty() {
-            o.flush = true;
-            o.wake_sender();
+        if o.buf.is_empty() {
+            return Poll::Ready(Ok(()));
         }
-        Poll::Ready(Ok(()))
+        o.flush = true;
+        if !o.idle || o.writer_sending || o.close {
+            o.wake_sender();
+            return Poll::Ready(Ok(()));
+        }
+        // The sender is parked with nothing in flight: start this send here
+        // (no task hop); the sender drives it if it does not finish at once.
+        o.idle = false;
+        o.writer_sending = true;
+        let n = o.buf.len().min(CHUNK);
+        let msg = o.buf.split_to(n).freeze();
+        if o.buf.is_empty() {
+            o.flush = false;
+        }
+        drop(o);
+        let mut f: BoxFuture<rdmx_core::Result<()>> = Box::pin(self.conn.send(msg).into_future());
+        let r = f.as_mut().poll(cx);
+        let mut o = self.out.lock();
+        o.writer_sending = false;
+        let res = match r {
+            Poll::Ready(Ok(())) => Ok(()),
+            Poll::Ready(Err(e)) => {
+                o.failed = Some(e.clone());
+                Err(io_err(e))
+            }
+            Poll::Pending => {
+                o.adopted.push_back((n, f));
+                Ok(())
+            }
+        };
+        // It parks idle again, adopts the send, or sends the rest.
+        o.wake_sender();
+        Poll::Ready(res)
     }
 
     /// Sends what is buffered, then closes the connection gracefully.

@@ -41,6 +41,11 @@ async fn bytes_arrive_exactly(t: Arc<dyn Transport>) {
             if rng(&mut seed) % 3 != 0 {
                 w.flush().await.unwrap();
             }
+            // Now and then let the sender go idle, so that the next flush
+            // starts its send itself: both paths, in order.
+            if rng(&mut seed) % 8 == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
             at += n;
             chunks += 1;
         }

@@ -1,0 +1,464 @@
+//! The responder: executes incoming requests against memory in PSN order,
+//! ACKs, NAKs (sequence, RNR, access, invalid), READ/atomic responses and
+//! duplicate handling (rxe's resp.c, IBTA 9.7.4 and 9.9).
+
+use super::*;
+
+impl Qp {
+    pub(super) fn ack_packet(&self, psn: u32, syndrome: u8) -> Packet {
+        let mut p = Packet::new(Bth::new(Opcode::ACKNOWLEDGE, self.remote_qpn, psn));
+        p.aeth = Some(Aeth {
+            syndrome,
+            msn: self.msn & psn::PSN_MASK,
+        });
+        p
+    }
+
+    /// Notification point: answer CE marks with a CNP to the sender, at most one
+    /// per `cnp_interval_ns` (rocev2-reference §10, §11: N = 50 µs).
+    pub(super) fn notify_congestion(&mut self, now: u64) {
+        let interval = self.cfg.dcqcn.unwrap_or_default().cnp_interval_ns;
+        if self.last_cnp_sent.is_some_and(|t| now < t + interval) {
+            return;
+        }
+        self.last_cnp_sent = Some(now);
+        self.stats.cnps_sent += 1;
+        let mut bth = Bth::new(Opcode::CNP, self.remote_qpn, 0);
+        bth.becn = true;
+        let mut cnp = Packet::new(bth);
+        cnp.cnp_reserved = Some([0; 16]);
+        self.resp_tx.push_back(cnp);
+    }
+
+    pub(super) fn send_nak(&mut self, code: NakCode, fatal: bool) {
+        self.stats.naks_sent += 1;
+        if matches!(code, NakCode::RemoteAccessError | NakCode::InvalidRequest) {
+            self.stats.remote_denied += 1;
+        }
+        let nak = self.ack_packet(self.epsn, nak_syndrome(code));
+        self.resp_tx.push_back(nak);
+        if fatal {
+            // Class C errors (rocev2-reference §5): the responder QP goes to
+            // ERROR; queued responses, this NAK included, still go out.
+            self.enter_error();
+        }
+    }
+
+    /// No receive posted: RNR NAK with our timer code; the PSN is not consumed,
+    /// the requester retries it after the delay (rocev2-reference §5).
+    pub(super) fn send_rnr_nak(&mut self, psn: u32) {
+        self.stats.rnr_naks_sent += 1;
+        let rnr = self.ack_packet(psn, 0x20 | (self.cfg.min_rnr_timer & 0x1F));
+        self.resp_tx.push_back(rnr);
+    }
+
+    pub(super) fn responder(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let d = psn::diff(pkt.bth.psn, self.epsn);
+        if d > 0 {
+            // A gap: NAK once until the expected packet arrives (§5, §6). With
+            // selective repeat the packet is kept (within the requester's
+            // window) and executed in order once the gap fills.
+            if self.cfg.selective_repeat && d < 2 * self.cfg.max_unacked.max(1) as i32 {
+                if self.ooo.insert(pkt.bth.psn, pkt.clone()).is_none() {
+                    self.stats.out_of_order_kept += 1;
+                }
+                // The gap persists while packets keep coming: say so again
+                // every 16 of them, in case the NAK or the resent packet was
+                // lost (TCP's duplicate ACKs do the same), instead of leaving
+                // it to the requester's timeout.
+                self.since_nak += 1;
+                if self.nak_sent && self.since_nak >= (self.cfg.max_unacked / 4).max(16) {
+                    // Repeat only the first hole; the others were named.
+                    self.since_nak = 0;
+                    self.send_nak(NakCode::PsnSequenceError, false);
+                }
+            } else {
+                self.stats.dropped += 1;
+            }
+            if !self.nak_sent {
+                self.nak_sent = true;
+                self.since_nak = 0;
+                self.nak_gaps(32);
+            }
+            return;
+        }
+        if d < 0 {
+            self.stats.duplicates += 1;
+            self.duplicate(pkt, mem);
+            return;
+        }
+        self.nak_sent = false;
+        self.execute(pkt, mem);
+        if self.ooo.is_empty() {
+            return;
+        }
+        // Selective repeat: run what was kept, in order, up to the next gap.
+        let mut ran = false;
+        while self.state != QpState::Error {
+            let Some(next) = self.ooo.remove(&self.epsn) else {
+                break;
+            };
+            self.execute(&next, mem);
+            ran = true;
+        }
+        // Drop anything the executed requests overtook (a READ covers many PSNs).
+        let epsn = self.epsn;
+        self.ooo.retain(|&p, _| psn::diff(p, epsn) > 0);
+        if ran {
+            self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+        }
+        if !self.ooo.is_empty() && self.state != QpState::Error {
+            // Another gap: say where at once, and name the next few holes
+            // again in case their resends were lost.
+            self.nak_sent = true;
+            self.since_nak = 0;
+            self.nak_gaps(4);
+        }
+    }
+
+    /// Execute the request at ePSN.
+    pub(super) fn execute(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let op = pkt.bth.opcode;
+        match op {
+            Opcode::SEND_FIRST
+            | Opcode::SEND_MIDDLE
+            | Opcode::SEND_LAST
+            | Opcode::SEND_LAST_WITH_IMMEDIATE
+            | Opcode::SEND_LAST_WITH_INVALIDATE
+            | Opcode::SEND_ONLY
+            | Opcode::SEND_ONLY_WITH_IMMEDIATE
+            | Opcode::SEND_ONLY_WITH_INVALIDATE => self.recv_send(pkt),
+            Opcode::RDMA_WRITE_FIRST
+            | Opcode::RDMA_WRITE_MIDDLE
+            | Opcode::RDMA_WRITE_LAST
+            | Opcode::RDMA_WRITE_LAST_WITH_IMMEDIATE
+            | Opcode::RDMA_WRITE_ONLY
+            | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE => self.recv_write(pkt, mem),
+            Opcode::RDMA_READ_REQUEST => self.recv_read(pkt, mem),
+            Opcode::COMPARE_SWAP | Opcode::FETCH_ADD => self.recv_atomic(pkt, mem),
+            _ => self.stats.dropped += 1,
+        }
+    }
+
+    /// After executing a SEND/WRITE packet: advance ePSN and ACK if asked (coalesced).
+    pub(super) fn accepted(&mut self, pkt: &Packet, message_done: bool) {
+        self.epsn = psn::add(self.epsn, 1);
+        if message_done {
+            self.msn = psn::add(self.msn, 1);
+        }
+        if pkt.bth.ack_req {
+            self.pending_ack = Some(pkt.bth.psn);
+        }
+    }
+
+    pub(super) fn recv_send(&mut self, pkt: &Packet) {
+        let op = pkt.bth.opcode;
+        let starts = matches!(
+            op,
+            Opcode::SEND_FIRST
+                | Opcode::SEND_ONLY
+                | Opcode::SEND_ONLY_WITH_IMMEDIATE
+                | Opcode::SEND_ONLY_WITH_INVALIDATE
+        );
+        let ends = !matches!(op, Opcode::SEND_FIRST | Opcode::SEND_MIDDLE);
+        // Opcode sequence (rocev2-reference §3).
+        match (&self.open, starts) {
+            (None, true) | (Some(OpenMessage::Send { .. }), false) => {}
+            _ => return self.send_nak(NakCode::InvalidRequest, true),
+        }
+        if !self.length_ok(op, pkt.payload.len()) {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if starts {
+            let Some(wqe) = self.rq.pop_front() else {
+                return self.send_rnr_nak(pkt.bth.psn);
+            };
+            self.open = Some(OpenMessage::Send {
+                wqe,
+                buf: BytesMut::new(),
+            });
+        }
+        let Some(OpenMessage::Send { wqe, buf }) = &mut self.open else {
+            unreachable!("checked above")
+        };
+        buf.extend_from_slice(&pkt.payload);
+        if buf.len() > wqe.max_len {
+            let wr_id = wqe.wr_id;
+            self.open = None;
+            self.completions.push_back(Completion::new(
+                wr_id,
+                WcStatus::LocalLengthError,
+                WcOpcode::Recv,
+            ));
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if ends {
+            let Some(OpenMessage::Send { wqe, buf }) = self.open.take() else {
+                unreachable!("checked above")
+            };
+            let mut c = Completion::new(wqe.wr_id, WcStatus::Success, WcOpcode::Recv);
+            c.byte_len = buf.len() as u64;
+            c.data = buf.freeze();
+            c.imm = pkt.imm;
+            c.invalidate = pkt.ieth;
+            self.completions.push_back(c);
+        }
+        self.accepted(pkt, ends);
+    }
+
+    /// FIRST/MIDDLE carry exactly one PMTU, LAST 1..PMTU, ONLY 0..PMTU (§8).
+    pub(super) fn length_ok(&self, op: Opcode, len: usize) -> bool {
+        let pmtu = self.cfg.pmtu as usize;
+        match op {
+            Opcode::SEND_FIRST
+            | Opcode::SEND_MIDDLE
+            | Opcode::RDMA_WRITE_FIRST
+            | Opcode::RDMA_WRITE_MIDDLE => len == pmtu,
+            Opcode::SEND_ONLY
+            | Opcode::SEND_ONLY_WITH_IMMEDIATE
+            | Opcode::SEND_ONLY_WITH_INVALIDATE
+            | Opcode::RDMA_WRITE_ONLY
+            | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE => len <= pmtu,
+            _ => (1..=pmtu).contains(&len),
+        }
+    }
+
+    pub(super) fn recv_write(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let op = pkt.bth.opcode;
+        let starts = matches!(
+            op,
+            Opcode::RDMA_WRITE_FIRST
+                | Opcode::RDMA_WRITE_ONLY
+                | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE
+        );
+        let ends = !matches!(op, Opcode::RDMA_WRITE_FIRST | Opcode::RDMA_WRITE_MIDDLE);
+        let with_imm = matches!(
+            op,
+            Opcode::RDMA_WRITE_LAST_WITH_IMMEDIATE | Opcode::RDMA_WRITE_ONLY_WITH_IMMEDIATE
+        );
+        match (&self.open, starts) {
+            (None, true) | (Some(OpenMessage::Write { .. }), false) => {}
+            _ => return self.send_nak(NakCode::InvalidRequest, true),
+        }
+        if !self.length_ok(op, pkt.payload.len()) {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        // A write with immediate needs a receive; check before touching memory.
+        if with_imm && self.rq.is_empty() {
+            return self.send_rnr_nak(pkt.bth.psn);
+        }
+        if starts {
+            let Some(reth) = pkt.reth else {
+                return self.send_nak(NakCode::InvalidRequest, true);
+            };
+            // The whole range is checked at the first packet (R_Key, bounds, rights).
+            if reth.dma_len > 0 {
+                if let Err(e) = mem.check(reth.rkey, reth.va, u64::from(reth.dma_len), Need::Write)
+                {
+                    return self.send_nak(mem_nak(e), true);
+                }
+            }
+            self.open = Some(OpenMessage::Write { reth, offset: 0 });
+        }
+        let Some(OpenMessage::Write { reth, offset }) = &mut self.open else {
+            unreachable!("checked above")
+        };
+        let (reth, off) = (*reth, *offset);
+        let end = off + pkt.payload.len() as u64;
+        if end > u64::from(reth.dma_len) || (ends && end != u64::from(reth.dma_len)) {
+            self.open = None;
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        if !pkt.payload.is_empty() {
+            if let Err(e) = mem.write(reth.rkey, reth.va + off, &pkt.payload) {
+                self.open = None;
+                return self.send_nak(mem_nak(e), true);
+            }
+        }
+        if let Some(OpenMessage::Write { offset, .. }) = &mut self.open {
+            *offset = end;
+        }
+        if ends {
+            self.open = None;
+            self.stats.remote_ops += 1;
+            if with_imm {
+                let r = self.rq.pop_front().expect("checked above");
+                let mut c = Completion::new(r.wr_id, WcStatus::Success, WcOpcode::RecvWriteImm);
+                c.byte_len = u64::from(reth.dma_len);
+                c.imm = pkt.imm;
+                self.completions.push_back(c);
+            }
+        }
+        self.accepted(pkt, ends);
+    }
+
+    pub(super) fn remember(&mut self, r: Resource) {
+        self.resources.push_back(r);
+        while self.resources.len() > self.cfg.max_rd_atomic.max(1) as usize * 2 {
+            self.resources.pop_front();
+        }
+    }
+
+    /// Queue the responses to a READ of `reth` whose request had PSN `first`:
+    /// FIRST/MIDDLE/LAST or ONLY (rocev2-reference §3, §8), data re-read from
+    /// memory each time (a duplicate READ is re-executed, §6).
+    pub(super) fn read_responses(
+        &mut self,
+        first: u32,
+        reth: Reth,
+        mem: &mut dyn Memory,
+    ) -> Result<(), MemError> {
+        let pmtu = u64::from(self.cfg.pmtu);
+        let len = u64::from(reth.dma_len);
+        let npkts = len.div_ceil(pmtu).max(1) as u32;
+        for i in 0..npkts {
+            let off = u64::from(i) * pmtu;
+            let n = pmtu.min(len - off.min(len));
+            let data = if n == 0 {
+                Bytes::new()
+            } else {
+                mem.read(reth.rkey, reth.va + off, n)?
+            };
+            let opcode = match (i == 0, i + 1 == npkts) {
+                (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
+                (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,
+                (false, false) => Opcode::RDMA_READ_RESPONSE_MIDDLE,
+                (false, true) => Opcode::RDMA_READ_RESPONSE_LAST,
+            };
+            let mut p = Packet::new(Bth::new(opcode, self.remote_qpn, psn::add(first, i)));
+            if opcode != Opcode::RDMA_READ_RESPONSE_MIDDLE {
+                p.aeth = Some(Aeth {
+                    syndrome: 0x1F,
+                    msn: self.msn & psn::PSN_MASK,
+                });
+            }
+            p.payload = data;
+            p.finish();
+            self.resp_tx.push_back(p);
+        }
+        Ok(())
+    }
+
+    pub(super) fn recv_read(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        if self.open.is_some() {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        let Some(reth) = pkt.reth else {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        };
+        if reth.dma_len > 0 {
+            if let Err(e) = mem.check(reth.rkey, reth.va, u64::from(reth.dma_len), Need::Read) {
+                return self.send_nak(mem_nak(e), true);
+            }
+        }
+        let first = self.epsn;
+        let npkts = u64::from(reth.dma_len)
+            .div_ceil(u64::from(self.cfg.pmtu))
+            .max(1) as u32;
+        self.msn = psn::add(self.msn, 1);
+        if let Err(e) = self.read_responses(first, reth, mem) {
+            return self.send_nak(mem_nak(e), true);
+        }
+        self.stats.remote_ops += 1;
+        self.remember(Resource::Read {
+            first_psn: first,
+            npkts,
+            reth,
+        });
+        self.epsn = psn::add(first, npkts);
+    }
+
+    pub(super) fn recv_atomic(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        if self.open.is_some() {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        }
+        let Some(a) = pkt.atomic_eth else {
+            return self.send_nak(NakCode::InvalidRequest, true);
+        };
+        let op = if pkt.bth.opcode == Opcode::COMPARE_SWAP {
+            Atomic::CompareSwap {
+                compare: a.compare,
+                swap: a.swap_add,
+            }
+        } else {
+            Atomic::FetchAdd { add: a.swap_add }
+        };
+        let orig = match mem.atomic(a.rkey, a.va, op) {
+            Ok(v) => v,
+            Err(e) => return self.send_nak(mem_nak(e), true),
+        };
+        self.msn = psn::add(self.msn, 1);
+        self.stats.remote_ops += 1;
+        self.atomic_ack(pkt.bth.psn, orig);
+        self.remember(Resource::Atomic {
+            psn: pkt.bth.psn,
+            orig,
+        });
+        self.epsn = psn::add(self.epsn, 1);
+    }
+
+    pub(super) fn atomic_ack(&mut self, psn: u32, orig: u64) {
+        let mut p = Packet::new(Bth::new(Opcode::ATOMIC_ACKNOWLEDGE, self.remote_qpn, psn));
+        p.aeth = Some(Aeth {
+            syndrome: 0x1F,
+            msn: self.msn & psn::PSN_MASK,
+        });
+        p.atomic_ack = Some(orig);
+        self.resp_tx.push_back(p);
+    }
+
+    /// A request below ePSN (rocev2-reference §6): re-ACK SEND/WRITE, re-execute
+    /// READs from the saved range, replay saved atomic results.
+    pub(super) fn duplicate(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        let p = pkt.bth.psn;
+        match pkt.bth.opcode {
+            Opcode::RDMA_READ_REQUEST => {
+                let Some(reth) = pkt.reth else { return };
+                // Replay only a READ we executed, asked again whole or as the
+                // tail that a resuming requester still misses: same R_Key,
+                // range inside the original, VA consistent with the PSN (§6).
+                let pmtu = u64::from(self.cfg.pmtu);
+                let sr = self.cfg.selective_repeat;
+                let ok = self.resources.iter().rev().any(|r| match *r {
+                    Resource::Read {
+                        first_psn,
+                        npkts,
+                        reth: orig,
+                    } => {
+                        let k = psn::diff(p, first_psn);
+                        k >= 0
+                            && k < npkts as i32
+                            && orig.rkey == reth.rkey
+                            && reth.va == orig.va + k as u64 * pmtu
+                            && (reth.va + u64::from(reth.dma_len)
+                                == orig.va + u64::from(orig.dma_len)
+                                // Selective repeat asks again for just the
+                                // responses it misses: any sub-range.
+                                || (sr && reth.va + u64::from(reth.dma_len)
+                                    <= orig.va + u64::from(orig.dma_len)))
+                    }
+                    Resource::Atomic { .. } => false,
+                });
+                if !ok {
+                    self.stats.dropped += 1;
+                } else if self.read_responses(p, reth, mem).is_err() {
+                    self.send_nak(NakCode::RemoteAccessError, true);
+                }
+            }
+            Opcode::COMPARE_SWAP | Opcode::FETCH_ADD => {
+                let saved = self.resources.iter().rev().find_map(|r| match *r {
+                    Resource::Atomic { psn, orig } if psn == p => Some(orig),
+                    _ => None,
+                });
+                match saved {
+                    Some(orig) => self.atomic_ack(p, orig),
+                    None => self.stats.dropped += 1,
+                }
+            }
+            _ => {
+                // SEND/WRITE: not re-executed; ACK everything received so far.
+                self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+            }
+        }
+    }
+}

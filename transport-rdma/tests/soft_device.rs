@@ -69,8 +69,9 @@ async fn bad_packets_are_dropped_and_counted() {
 /// Work requests posted together leave together: requests posted while
 /// others are outstanding go out at the end of the scheduler tick in one GSO
 /// batch, and the responder acknowledges a received batch in one; before,
-/// each request took a send system call of its own.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// each request took a send system call of its own. One thread makes the
+/// count independent of the machine's speed (as in the TCP transport's test).
+#[tokio::test(flavor = "current_thread")]
 async fn requests_posted_together_share_send_calls() {
     const N: u64 = 64;
     let dev = Arc::new(
@@ -108,5 +109,5 @@ async fn requests_posted_together_share_send_calls() {
     let packets = after.tx_packets - before.tx_packets;
     eprintln!("{N} writes: {packets} packets in {calls} send calls");
     assert!(packets > N, "{packets} packets for {N} writes");
-    assert!(calls <= N / 2, "{calls} send calls for {N} writes");
+    assert!(calls <= N / 8, "{calls} send calls for {N} writes");
 }

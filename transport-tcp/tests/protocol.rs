@@ -444,7 +444,12 @@ async fn busy_poll_mode_works() {
 /// requests made in one scheduler tick in one `writev`, and the responder
 /// answers a burst of buffered requests in one `writev` too (before, each
 /// took a system call of its own on each side).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+///
+/// On one thread the count is exact whatever the machine's speed: on a
+/// multi-threaded runtime the writer task runs beside the caller and drains
+/// whatever it finds, so how many requests share a write depends on timing
+/// (a loaded CI machine once saw 42 writes for 128 operations there).
+#[tokio::test(flavor = "current_thread")]
 async fn concurrent_operations_share_system_calls() {
     const N: u64 = 64;
     let opts = Options::default();

@@ -5,6 +5,7 @@ use super::*;
 
 impl Qp {
     pub(super) fn progress(&mut self, now: u64) {
+        self.sample_rtt(now);
         self.retry_left = self.cfg.retry_cnt;
         self.rnr_left = self.cfg.rnr_retry;
         self.backoff = 0;
@@ -132,13 +133,13 @@ impl Qp {
                             self.retry_left -= 1;
                         }
                         self.cc_loss(false);
-                        self.recover(p);
+                        self.recover(p, Some(now));
                     }
                     Syndrome::Nak(NakCode::Other(SR_HOLE)) if self.cfg.selective_repeat => {
                         // A hole the responder names: resend just that packet.
                         self.stats.naks_received += 1;
                         if psn::diff(p, self.una) > 0 {
-                            self.recover(p);
+                            self.recover(p, Some(now));
                         }
                     }
                     Syndrome::Nak(code) => {

@@ -21,7 +21,7 @@ mod requester;
 mod responder;
 mod selective;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
 
@@ -267,6 +267,10 @@ pub struct QpStats {
     pub remote_ops: u64,
     /// Remote accesses this responder refused (NAK remote access / invalid request).
     pub remote_denied: u64,
+    /// Selective repeat: NAKs for a packet resent less than a round trip
+    /// before (its resend may still be on the way): the packet is resent
+    /// again only if still missing a round trip after the last resend.
+    pub naks_before_resend: u64,
 }
 
 // ------------------------------------------------------------------ requester
@@ -413,6 +417,22 @@ pub struct Qp {
     rnr_until: Option<u64>,
     /// Selective repeat: single PSNs to resend before anything new.
     retx: VecDeque<u32>,
+    /// Selective repeat: when each PSN still unacknowledged was last resent.
+    /// A NAK naming it again sooner than a round trip later was sent before
+    /// the resend could arrive: acting on it would send a duplicate.
+    /// (last resent at, first resent at).
+    resent_at: HashMap<u32, (u64, u64)>,
+    /// Selective repeat: packets named by such an early NAK (PSN, last
+    /// resent at, due): resent once more when due if still unacknowledged
+    /// and not resent since (the resend was lost too), so the last hole of
+    /// a burst does not wait for the timer.
+    retx_due: Vec<(u32, u64, u64)>,
+    /// The packet timing the current round-trip sample (PSN, sent at).
+    rtt_probe: Option<(u32, u64)>,
+    /// Round trip (ns), queueing included: the longest recent sample (up at
+    /// once, down by an eighth per sample), from clean packets (Karn's rule)
+    /// and from repairs (first resend to ACK).
+    srtt_ns: Option<u64>,
     /// Selective repeat: READ response ranges to ask for again
     /// (WQE first PSN, first and end packet index).
     read_retx: VecDeque<(u32, u32, u32)>,
@@ -489,6 +509,10 @@ impl Qp {
             cc_una: 0,
             rnr_until: None,
             retx: VecDeque::new(),
+            resent_at: HashMap::new(),
+            retx_due: Vec::new(),
+            rtt_probe: None,
+            srtt_ns: None,
             read_retx: VecDeque::new(),
             epsn: 0,
             msn: 0,
@@ -681,7 +705,8 @@ impl Qp {
     /// When [`Qp::handle_timeout`] should be called next.
     pub fn poll_timeout(&self) -> Option<u64> {
         let pace = self.pace_blocked.then_some(self.next_send_at);
-        [self.retry_deadline, self.rnr_until, pace]
+        let due = self.retx_due.iter().map(|&(_, _, due)| due).min();
+        [self.retry_deadline, self.rnr_until, pace, due]
             .into_iter()
             .flatten()
             .min()
@@ -743,6 +768,7 @@ impl Qp {
     }
     /// Handle expired timers.
     pub fn handle_timeout(&mut self, now: u64) {
+        self.promote_due_resends(now);
         if self.rnr_until.is_some_and(|t| now >= t) {
             self.rnr_until = None;
         }
@@ -768,7 +794,7 @@ impl Qp {
             self.retry_left -= 1;
         }
         self.cc_loss(true);
-        self.recover(self.una);
+        self.recover(self.una, None);
         self.backoff += 1;
         self.retry_deadline = self.rto_ns().map(|t| now + t);
     }
@@ -797,8 +823,13 @@ impl Qp {
         }
         self.retry_deadline = None;
         self.rnr_until = None;
+        // Nothing is sent in ERROR: a pacing wait left set would make
+        // poll_timeout report the same instant for ever.
+        self.pace_blocked = false;
         self.pending_ack = None;
         self.retx.clear();
+        self.resent_at.clear();
+        self.retx_due.clear();
         self.read_retx.clear();
         self.ooo.clear();
     }

@@ -134,6 +134,9 @@ impl Qp {
         } else {
             // A READ request covers its whole chunk of responses.
             wqe.sent_upto = idx + advance;
+            if self.rtt_probe.is_none() {
+                self.rtt_probe = Some((psn, now));
+            }
         }
         self.tx_pkt += advance;
         if self.tx_pkt >= wqe.npkts {
@@ -256,7 +259,11 @@ impl Qp {
     /// Recover from a loss at `psn`: selective repeat resends just that packet
     /// of a SEND/WRITE (the responder kept what followed); go-back-N, and any
     /// READ/atomic, resend from there.
-    pub(super) fn recover(&mut self, psn: u32) {
+    /// `nak_at` is when a NAK asked for it (`None`: the timer did, which
+    /// always resends).
+    pub(super) fn recover(&mut self, psn: u32, nak_at: Option<u64>) {
+        // A cumulative ACK after a loss would time the repair, not the path.
+        self.rtt_probe = None;
         if self.cfg.selective_repeat && self.ask_missing_responses(psn, u32::MAX) {
             return;
         }
@@ -268,6 +275,20 @@ impl Qp {
                     && psn::diff(psn, w.last_psn()) <= 0
             });
             if single {
+                if let (Some(now), Some(&(at, _)), Some(srtt)) =
+                    (nak_at, self.resent_at.get(&psn), self.srtt_ns)
+                {
+                    // The resend takes a round trip to show at the responder:
+                    // look again then.
+                    let due = at + srtt + srtt / 2;
+                    if now < due {
+                        self.stats.naks_before_resend += 1;
+                        if !self.retx_due.iter().any(|&(q, _, _)| q == psn) {
+                            self.retx_due.push((psn, at, due));
+                        }
+                        return;
+                    }
+                }
                 if !self.retx.contains(&psn) {
                     self.retx.push_back(psn);
                 }
@@ -277,9 +298,50 @@ impl Qp {
         self.rewind(psn);
     }
 
+    /// Round-trip samples after an acknowledgement: the probe packet's, if
+    /// it is now acknowledged and was never resent (Karn's rule: an ACK
+    /// after a resend could answer either copy), and the repair time of
+    /// resent packets now acknowledged.
+    pub(super) fn sample_rtt(&mut self, now: u64) {
+        let una = self.una;
+        let mut sample = None;
+        if let Some((p, sent)) = self.rtt_probe {
+            if psn::diff(una, p) > 0 {
+                self.rtt_probe = None;
+                if !self.resent_at.contains_key(&p) {
+                    sample = Some(now.saturating_sub(sent));
+                }
+            }
+        }
+        if !self.resent_at.is_empty() {
+            // The shortest repair among resent packets now acknowledged,
+            // from the first resend: what a resend has to wait for (behind
+            // the window already queued); one resent again (too early, or
+            // lost twice) times long rather than short.
+            let repair = self
+                .resent_at
+                .iter()
+                .filter(|&(&q, _)| psn::diff(q, una) < 0)
+                .map(|(_, &(_, first))| now.saturating_sub(first))
+                .min();
+            sample = sample.max(repair);
+            self.resent_at.retain(|&q, _| psn::diff(q, una) >= 0);
+        }
+        let Some(sample) = sample else {
+            return;
+        };
+        // Up at once, down slowly: the longest recent round trip (queueing
+        // behind the window included) is the one a resend may wait for.
+        self.srtt_ns = Some(match self.srtt_ns {
+            None => sample,
+            Some(s) => sample.max(s - s / 8),
+        });
+    }
+
     /// Go back to `psn` and resend everything from there (rocev2-reference §7).
     pub(super) fn rewind(&mut self, psn: u32) {
         self.stats.rewinds += 1;
+        self.rtt_probe = None;
         let Some(i) = self.sq.iter().position(|w| {
             w.done.is_none()
                 && psn::diff(psn, w.first_psn) >= 0

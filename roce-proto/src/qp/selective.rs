@@ -5,6 +5,29 @@
 use super::*;
 
 impl Qp {
+    /// Selective repeat, at a timer tick: resent packets whose resend should
+    /// have shown by now (a round trip and a half) and that are still
+    /// unacknowledged and not resent since were lost again: queue them to go
+    /// once more. Entries go either way, so [`Qp::poll_timeout`] never
+    /// reports a time already past.
+    pub(super) fn promote_due_resends(&mut self, now: u64) {
+        let una = self.una;
+        let mut i = 0;
+        while i < self.retx_due.len() {
+            let (p, at, due) = self.retx_due[i];
+            if psn::diff(p, una) < 0 || self.resent_at.get(&p).map(|r| r.0) != Some(at) {
+                self.retx_due.swap_remove(i);
+            } else if due <= now {
+                self.retx_due.swap_remove(i);
+                if !self.retx.contains(&p) {
+                    self.retx.push_back(p);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
     /// Selective repeat: the next single packet to resend, if any.
     pub(super) fn selective_resend(&mut self, now: u64) -> Option<Packet> {
         while let Some((first, start, end)) = self.read_retx.pop_front() {
@@ -47,6 +70,8 @@ impl Qp {
             pkt.bth.ack_req = true;
             self.account_sent(now, &pkt);
             self.stats.retransmits += 1;
+            let first = self.resent_at.get(&p).map_or(now, |r| r.1);
+            self.resent_at.insert(p, (now, first));
             return Some(pkt);
         }
         None

@@ -5,10 +5,15 @@ use super::*;
 
 impl Qp {
     pub(super) fn progress(&mut self, now: u64) {
-        self.sample_rtt(now);
+        // Karn's rule (RFC 6298 §5.7): a backed-off timer stays backed off
+        // until a round trip is measured on a packet sent once; progress
+        // made by resent packets alone says nothing of the round trip.
+        if self.sample_rtt(now) {
+            self.karn_rto_ns = None;
+        }
+        self.backoff = 0;
         self.retry_left = self.cfg.retry_cnt;
         self.rnr_left = self.cfg.rnr_retry;
-        self.backoff = 0;
         self.cc_acked();
         let outstanding = self.sq.iter().any(|w| w.done.is_none());
         self.retry_deadline = outstanding

@@ -406,6 +406,9 @@ pub struct Qp {
     fast_timeout: u8,
     /// Consecutive timeouts without progress.
     backoff: u32,
+    /// The backed-off interval of the last timeout, kept until a packet
+    /// sent once is acknowledged (Karn's rule, RFC 6298 §5.5-5.7).
+    karn_rto_ns: Option<u64>,
     /// Go-back-N congestion window (packets), see [`Qp::cwnd`].
     cwnd: u32,
     /// Its slow-start threshold.
@@ -503,6 +506,7 @@ impl Qp {
             retry_deadline: None,
             fast_timeout: 0,
             backoff: 0,
+            karn_rto_ns: None,
             cwnd: cfg.max_unacked,
             ssthresh: cfg.max_unacked,
             cwnd_acked: 0,
@@ -568,11 +572,13 @@ impl Qp {
         Ok(())
     }
     /// Retransmit first after 4.096 µs × 2^`exp` when that is shorter than
-    /// the ACK timeout, doubling on each timeout in a row up to the larger of
-    /// the ACK timeout and 64 × the fast timer. Only timeouts of that full
-    /// length use up a retry, so a peer is given at least `retry_cnt` × the
-    /// ACK timeout it agreed to (as by a NIC with those timers) while a lost
-    /// last packet is resent early. Purely local; 0 turns it off.
+    /// the ACK timeout (or after 1.5 × the measured round trip, if longer),
+    /// doubling on each timeout in a row up to the larger of the ACK timeout
+    /// and 64 × the fast timer. Only timeouts once the fast timer has doubled
+    /// to that full length use up a retry, so a peer is given at least
+    /// `retry_cnt` × the ACK timeout it agreed to (as by a NIC with those
+    /// timers) while a lost last packet is resent early. Purely local; 0
+    /// turns it off.
     pub fn set_fast_timeout(&mut self, exp: u8) {
         self.fast_timeout = exp.min(31);
     }
@@ -783,9 +789,9 @@ impl Qp {
             return;
         }
         self.stats.timeouts += 1;
-        // A timer of the full ACK timeout is a retry (IBTA 9.7.6.1.4); a
-        // shorter fast timer (set_fast_timeout) is not.
-        let full = self.rto_ns() == self.full_rto_ns();
+        // A timer of the full ACK timeout is a retry (IBTA 9.7.6.1.4); the
+        // fast timer's doublings before it (set_fast_timeout) are not.
+        let full = self.fast_rto_ns() == self.full_rto_ns();
         if full {
             if self.retry_left == 0 {
                 self.fail_front(WcStatus::RetryExceeded);
@@ -795,7 +801,9 @@ impl Qp {
         }
         self.cc_loss(true);
         self.recover(self.una, None);
+        let used = self.rto_ns();
         self.backoff += 1;
+        self.karn_rto_ns = used.map(|t| t.saturating_mul(2));
         self.retry_deadline = self.rto_ns().map(|t| now + t);
     }
     /// Move to ERROR: flush every outstanding work request (rocev2-reference §7).

@@ -8,15 +8,34 @@ impl Qp {
     /// The smallest congestion window.
     const MIN_CWND: u32 = 8;
 
-    /// The current retransmission interval: the fast timer doubled per
-    /// timeout in a row, up to [`Qp::full_rto_ns`] (`None`: timer disabled).
+    /// The current retransmission interval, as TCP computes it (RFC 6298
+    /// §2, §5): 1.5 × the measured round trip (the longest recent one),
+    /// never under the fast timer doubled per timeout in a row, nor under a
+    /// timeout's backed-off interval until a packet sent once is
+    /// acknowledged (Karn's rule); at most [`Qp::full_rto_ns`] (`None`:
+    /// timer disabled). A peer that answers in milliseconds (rxe in a VM, a
+    /// READ queued behind another) is not sent a duplicate request every
+    /// fast tick; a NIC that answers in microseconds keeps the fast timer.
     pub(super) fn rto_ns(&self) -> Option<u64> {
+        let fast = self.fast_rto_ns()?;
+        let full = self.full_rto_ns()?;
+        let measured = self.srtt_ns.map_or(0, |s| s.saturating_add(s / 2));
+        Some(
+            fast.max(measured)
+                .max(self.karn_rto_ns.unwrap_or(0))
+                .min(full),
+        )
+    }
+
+    /// The fast timer doubled per timeout in a row, up to
+    /// [`Qp::full_rto_ns`]: when it reaches that, a timeout uses up a retry.
+    pub(super) fn fast_rto_ns(&self) -> Option<u64> {
         let full = self.full_rto_ns()?;
         if self.fast_timeout == 0 || self.fast_timeout >= self.cfg.timeout {
             return Some(full);
         }
         let fast = 4096u64 << self.fast_timeout;
-        Some((fast << self.backoff.min(31)).min(full))
+        Some(fast.saturating_mul(1u64 << self.backoff.min(31)).min(full))
     }
 
     /// The longest retransmission interval, whose expiry uses up a retry:
@@ -302,7 +321,8 @@ impl Qp {
     /// it is now acknowledged and was never resent (Karn's rule: an ACK
     /// after a resend could answer either copy), and the repair time of
     /// resent packets now acknowledged.
-    pub(super) fn sample_rtt(&mut self, now: u64) {
+    /// Returns whether a sample was taken.
+    pub(super) fn sample_rtt(&mut self, now: u64) -> bool {
         let una = self.una;
         let mut sample = None;
         if let Some((p, sent)) = self.rtt_probe {
@@ -328,7 +348,7 @@ impl Qp {
             self.resent_at.retain(|&q, _| psn::diff(q, una) >= 0);
         }
         let Some(sample) = sample else {
-            return;
+            return false;
         };
         // Up at once, down slowly: the longest recent round trip (queueing
         // behind the window included) is the one a resend may wait for.
@@ -336,6 +356,7 @@ impl Qp {
             None => sample,
             Some(s) => sample.max(s - s / 8),
         });
+        true
     }
 
     /// Go back to `psn` and resend everything from there (rocev2-reference §7).

@@ -74,10 +74,12 @@ pub struct SoftConfig {
     pub rx_queues: usize,
     /// Unacknowledged packets a QP may have in flight (256 × 4 KiB = 1 MiB).
     pub window: u32,
-    /// First retransmission timer exponent (8: 1 ms), doubling per timeout
-    /// up to the agreed ACK timeout (or 64 × this): a software path recovers
-    /// a lost last packet faster than a NIC's default would, and a slow peer
-    /// still gets the agreed timeout × retry count ([`Qp::set_fast_timeout`]).
+    /// The retransmission timer's floor as an exponent (8: 1 ms); above it
+    /// the timer follows the measured round trip, doubles per timeout, and
+    /// stops at the agreed ACK timeout (or 64 × this): a software path
+    /// recovers a lost last packet faster than a NIC's default would, a slow
+    /// peer (rxe in a VM) is not asked twice for what it is still sending,
+    /// and still gets the agreed timeout × retry count ([`Qp::set_fast_timeout`]).
     pub max_ack_timeout: u8,
     /// Exact IPv4 ICRCs for NIC peers: send IPv4 through a raw socket with our
     /// own header (needs CAP_NET_RAW; no GSO batching). Without it the kernel

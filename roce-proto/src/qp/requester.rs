@@ -19,12 +19,17 @@ impl Qp {
     pub(super) fn rto_ns(&self) -> Option<u64> {
         let fast = self.fast_rto_ns()?;
         let full = self.full_rto_ns()?;
-        let measured = self.srtt_ns.map_or(0, |s| s.saturating_add(s / 2));
         Some(
-            fast.max(measured)
+            fast.max(self.round_trip_margin_ns().unwrap_or(0))
                 .max(self.karn_rto_ns.unwrap_or(0))
                 .min(full),
         )
+    }
+
+    /// 1.5 × the measured round trip: how long a packet sent now may take
+    /// to be answered (`None` before the first sample).
+    fn round_trip_margin_ns(&self) -> Option<u64> {
+        self.srtt_ns.map(|s| s.saturating_add(s / 2))
     }
 
     /// The fast timer doubled per timeout in a row, up to
@@ -294,12 +299,14 @@ impl Qp {
                     && psn::diff(psn, w.last_psn()) <= 0
             });
             if single {
-                if let (Some(now), Some(&(at, _)), Some(srtt)) =
-                    (nak_at, self.resent_at.get(&psn), self.srtt_ns)
-                {
+                if let (Some(now), Some(&(at, _)), Some(margin)) = (
+                    nak_at,
+                    self.resent_at.get(&psn),
+                    self.round_trip_margin_ns(),
+                ) {
                     // The resend takes a round trip to show at the responder:
                     // look again then.
-                    let due = at + srtt + srtt / 2;
+                    let due = at.saturating_add(margin);
                     if now < due {
                         self.stats.naks_before_resend += 1;
                         if !self.retx_due.iter().any(|&(q, _, _)| q == psn) {

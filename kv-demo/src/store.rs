@@ -15,9 +15,10 @@
 //! One-sided GETs do not run node code, so they do not set CLOCK's reference
 //! bit: recency here is what writes and RPC reads show (documented trade-off).
 //!
-//! A freed slot's magic is cleared when it is freed, right after the index
-//! stopped pointing at it, so a client reading through a cached pointer sees
-//! a superseded item only while the write that superseded it is in progress.
+//! A superseded or deleted item's magic is cleared just before the index
+//! stops pointing at it, so a client reading through a cached pointer sees
+//! a superseded item only while the write that superseded it is in progress,
+//! and never after any reader has seen the write.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -148,6 +149,13 @@ pub struct Store {
     items: u64,
     item_bytes: u64,
     counters: Arc<KvCounters>,
+    /// Tests: copy both regions after every index write.
+    #[cfg(test)]
+    record_index_writes: bool,
+    /// Tests: (index, arena) as a remote reader could see them right after
+    /// each index write.
+    #[cfg(test)]
+    index_writes: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for Store {
@@ -220,6 +228,10 @@ impl Store {
             items: 0,
             item_bytes: 0,
             counters: Arc::default(),
+            #[cfg(test)]
+            record_index_writes: false,
+            #[cfg(test)]
+            index_writes: Vec::new(),
         })
     }
 
@@ -263,12 +275,19 @@ impl Store {
         Entry::decode(&self.index.read()[at..at + 16])
     }
 
-    fn set_entry(&self, bucket: u64, way: usize, e: Option<Entry>) {
+    fn set_entry(&mut self, bucket: u64, way: usize, e: Option<Entry>) {
         let at = (bucket * BUCKET_BYTES) as usize + way * 16;
         let (w0, w1) = e.map_or((0, 0), |e| e.words());
-        let mut idx = self.index.write();
-        idx[at..at + 8].copy_from_slice(&w0.to_le_bytes());
-        idx[at + 8..at + 16].copy_from_slice(&w1.to_le_bytes());
+        {
+            let mut idx = self.index.write();
+            idx[at..at + 8].copy_from_slice(&w0.to_le_bytes());
+            idx[at + 8..at + 16].copy_from_slice(&w1.to_le_bytes());
+        }
+        #[cfg(test)]
+        if self.record_index_writes {
+            let seen = (self.index.read().to_vec(), self.arena.read().to_vec());
+            self.index_writes.push(seen);
+        }
     }
 
     fn header_at(&self, offset: u64) -> Option<Header> {
@@ -311,16 +330,20 @@ impl Store {
         &mut self.flags[page][slot]
     }
 
-    /// Remove a found item: index entry first (readers stop finding it),
-    /// then the slot goes back to its class.
+    /// Remove a found item: the slot is freed (its magic cleared) before
+    /// the index entry goes, so once a reader sees the entry gone no cached
+    /// pointer can still read the item.
     fn unlink(&mut self, f: &Found) {
-        self.set_entry(f.bucket, f.way, None);
         self.release(f.entry.offset, f.header.item_len() as u64);
+        self.set_entry(f.bucket, f.way, None);
     }
 
-    /// Free a slot whose item is no longer indexed. Its magic is cleared at
-    /// once, so a reader holding a cached pointer to it (see the client's
-    /// pointer cache) fails verification instead of reading a superseded value.
+    /// Free a slot. Its magic is cleared at once, so a reader holding a
+    /// cached pointer to it (see the client's pointer cache) fails
+    /// verification instead of reading a superseded value. Callers release
+    /// a superseded item *before* the index stops naming it: a reader that
+    /// has seen the new entry (or none) must never read the old item
+    /// through a pointer remembered earlier, or by another reader.
     fn release(&mut self, offset: u64, len: u64) {
         self.arena.write()[offset as usize..offset as usize + 4].fill(0);
         *self.slot_flags(offset) = 0;
@@ -523,7 +546,7 @@ impl Store {
     }
 
     /// Write a new item for `key` and point the index at it; the previous
-    /// item (if any) is freed after the swap.
+    /// item (if any) is freed just before the swap.
     fn write_item(&mut self, key: &[u8], value: &[u8], flags: u32, expiry_ms: u64, now: u64) {
         let len = HEADER + key.len() + value.len();
         let c = self.class_for(len);
@@ -562,8 +585,9 @@ impl Store {
         // look again now.
         let way = match self.find(key) {
             Some(f) => {
-                self.set_entry(bucket, f.way, Some(entry));
+                // Old item dead first, then the swap (see `release`).
                 self.release(f.entry.offset, f.header.item_len() as u64);
+                self.set_entry(bucket, f.way, Some(entry));
                 f.way
             }
             None => {
@@ -786,6 +810,59 @@ mod tests {
         assert_eq!(one_sided(&s, b"k"), None);
         assert_eq!(s.items(), 0);
         assert_eq!(s.item_bytes(), 0);
+    }
+
+    /// The entry `key` has in an index image, if any.
+    fn entry_in(index: &[u8], s: &Store, key: &[u8]) -> Option<Entry> {
+        let h = key_hash(key, s.seed);
+        let b = ((h & (s.buckets - 1)) * BUCKET_BYTES) as usize;
+        (0..WAYS)
+            .filter_map(|w| Entry::decode(&index[b + w * 16..b + w * 16 + 16]))
+            .find(|e| e.tag == tag_of(h))
+    }
+
+    /// Whether a client holding pointer `e` would accept what `arena` holds.
+    fn pointer_reads(arena: &[u8], e: &Entry, key: &[u8], seed: u64) -> bool {
+        let item = &arena[e.offset as usize..(e.offset + u64::from(e.len)) as usize];
+        verify_item(item, e, key, seed).is_ok()
+    }
+
+    /// At every index write a remote reader could observe, once the index
+    /// no longer names the old item (overwritten or deleted), a pointer to
+    /// the old item cached earlier fails verification: a reader that has
+    /// seen the write can never read the older value again (the kv cluster
+    /// test `torn_read_hammer` saw 1228 and then 1224 when the old item
+    /// was killed only after the swap).
+    #[test]
+    fn a_cached_pointer_dies_before_the_index_moves_on() {
+        let mut s = store(8);
+        s.set(b"k", b"old", 0, Expiry::Never, Cond::Always, 1)
+            .unwrap();
+        let old = entry_in(&s.index.read(), &s, b"k").expect("indexed");
+        s.record_index_writes = true;
+        s.set(b"k", b"new", 0, Expiry::Never, Cond::Always, 2)
+            .unwrap();
+        let new = entry_in(&s.index.read(), &s, b"k").expect("indexed");
+        assert_ne!(new, old);
+        assert_eq!(one_sided(&s, b"k"), Some(b"new".to_vec()));
+        assert_eq!(s.del(&[&b"k"[..]], 3), 1);
+        let writes = std::mem::take(&mut s.index_writes);
+        assert!(writes.len() >= 2, "{} index writes", writes.len());
+        for (i, (index, arena)) in writes.iter().enumerate() {
+            let now = entry_in(index, &s, b"k");
+            if now != Some(old) {
+                assert!(
+                    !pointer_reads(arena, &old, b"k", s.seed),
+                    "index write {i}: the index names {now:?}, the old item still verifies"
+                );
+            }
+            if now.is_none() {
+                assert!(
+                    !pointer_reads(arena, &new, b"k", s.seed),
+                    "index write {i}: deleted, the last item still verifies"
+                );
+            }
+        }
     }
 
     #[test]

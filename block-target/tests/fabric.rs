@@ -3,12 +3,14 @@
 //! many commands in flight across queues, NVMe statuses for bad requests,
 //! and a target that survives a peer sending garbage.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::future::join_all;
 use rdmx_block::backend::RamBackend;
 use rdmx_block::fabric::{BlockError, Initiator, InitiatorConfig};
+use rdmx_block::nvme::command::{admin, fabrics, sgl, Sgl, Sqe};
 use rdmx_block::nvme::status::Status;
 use rdmx_block::target::{Target, TargetConfig};
 use rdmx_core::{Options, Transports};
@@ -175,4 +177,98 @@ async fn bad_requests_over_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_over_soft_roce() {
     bad_requests("rdma").await;
+}
+
+/// One raw command capsule on `conn`; returns the response's status word.
+async fn raw_command(conn: &rdmx_core::Connection, sqe: Sqe, data: &[u8]) -> Option<u16> {
+    let mut capsule = sqe.encode().to_vec();
+    capsule.extend_from_slice(data);
+    conn.send(capsule).await.ok()?;
+    let cqe = conn.recv_message().await.ok()?;
+    Some(u16::from_le_bytes([cqe[14], cqe[15]]) >> 1)
+}
+
+/// A host that names memory it does not lend for read data: the target's
+/// one-sided WRITE is refused, and the target ends that queue (as an RDMA
+/// queue pair in error would: the response may already have gone out
+/// behind the WRITE), counts it, and serves everyone else.
+async fn host_naming_memory_it_does_not_lend(scheme: &str) {
+    let (url, t) = start(scheme).await;
+    let conn = transports()
+        .connect(&url, &Options::default())
+        .await
+        .unwrap();
+    // Admin queue Connect (in-capsule data: host ID, cntlid FFFFh, NQNs).
+    let mut data = vec![0u8; 1024];
+    data[16..18].copy_from_slice(&0xFFFFu16.to_le_bytes());
+    data[256..256 + NQN.len()].copy_from_slice(NQN.as_bytes());
+    let host = b"nqn.2014-08.org.nvmexpress:uuid:raw-host";
+    data[512..512 + host.len()].copy_from_slice(host);
+    let connect = Sqe {
+        opcode: fabrics::OPCODE,
+        nsid: u32::from(fabrics::CONNECT),
+        flags: 0x40,
+        sgl: Sgl {
+            len: 1024,
+            id: sgl::DATA_BLOCK_OFFSET,
+            ..Sgl::default()
+        },
+        cdw: [0, 31, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    assert_eq!(raw_command(&conn, connect, &data).await, Some(0));
+    // CC.EN, then Identify Controller into a region that does not exist.
+    let enable = Sqe {
+        opcode: fabrics::OPCODE,
+        nsid: u32::from(fabrics::PROPERTY_SET),
+        cid: 1,
+        flags: 0x40,
+        sgl: Sgl {
+            id: sgl::KEYED_ADDRESS,
+            ..Sgl::default()
+        },
+        cdw: [0, 0x14, 0x0046_0001, 0, 0, 0],
+        ..Sqe::default()
+    };
+    assert_eq!(raw_command(&conn, enable, &[]).await, Some(0));
+    let errors = t.stats.protocol_errors.load(Relaxed);
+    let identify = Sqe {
+        opcode: admin::IDENTIFY,
+        cid: 2,
+        flags: 0x40,
+        sgl: Sgl {
+            addr: 0x1000,
+            len: 4096,
+            key: 0x5EED_0BAD,
+            id: sgl::KEYED_ADDRESS,
+        },
+        cdw: [1, 0, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    let _ = conn.send(identify.encode().to_vec()).await;
+    // Whatever came first, the queue ends.
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while conn.recv_message().await.is_ok() {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the queue stayed open");
+    assert_eq!(t.stats.protocol_errors.load(Relaxed), errors + 1);
+    // Everyone else is served.
+    let dev = Initiator::connect(&transports(), &url, cfg())
+        .await
+        .unwrap();
+    dev.write(0, Bytes::from(pattern(5, 4096)), false)
+        .await
+        .unwrap();
+    assert_eq!(&dev.read(0, 8).await.unwrap()[..], &pattern(5, 4096)[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_naming_memory_it_does_not_lend_over_tcp() {
+    host_naming_memory_it_does_not_lend("tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_naming_memory_it_does_not_lend_over_soft_roce() {
+    host_naming_memory_it_does_not_lend("rdma").await;
 }

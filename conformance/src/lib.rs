@@ -813,6 +813,109 @@ impl Suite {
         );
     }
 
+    /// `write_then_send`: when the message arrives the written data is
+    /// already in place (checked by its SHA-256 at that moment), one at a
+    /// time and 64 at once; a refused write reports the refusal and leaves
+    /// the connection in step.
+    pub async fn write_then_send(&self) {
+        let p = self.pair().await;
+        let d = &p.server_opts.domain;
+        let mr = d.register(8 << 20, Access::REMOTE_WRITE);
+        let r = mr.remote();
+        let before = p.client.stats();
+        // The receiver checks on a thread of its own, so it runs while the
+        // transport is still taking data in (a message that overtook its
+        // write is caught, whatever the runtime's scheduling).
+        let sizes = [0usize, 8, 5000, 64 << 10, 6 << 20];
+        let server = p.server.clone();
+        let checker = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let mut wrong = Vec::new();
+                for len in sizes {
+                    let msg = server.recv_message().await.unwrap();
+                    if msg[..] != sha(&mr.read()[..len])[..] {
+                        wrong.push(len);
+                    }
+                    server.send(&b"next"[..]).await.unwrap();
+                }
+                (wrong, mr)
+            })
+        });
+        for (i, len) in sizes.into_iter().enumerate() {
+            let data = pattern(i as u64 + 70, len);
+            p.client
+                .write_then_send(
+                    data.clone(),
+                    r.slice(0, len as u64).unwrap(),
+                    sha(&data).to_vec(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(&p.client.recv_message().await.unwrap()[..], b"next");
+        }
+        let (wrong, mr) = checker.join().expect("checker");
+        assert!(
+            wrong.is_empty(),
+            "message before its data at sizes {wrong:?}"
+        );
+        let after = p.client.stats();
+        assert_eq!(after.writes - before.writes, sizes.len() as u64);
+        assert_eq!(after.sends - before.sends, sizes.len() as u64);
+
+        // Many at once, each to its own 4 KiB: every message finds its data.
+        let slot = 4096usize;
+        let ops = (0..64u64).map(|i| {
+            let data = pattern(1000 + i, slot);
+            let mut msg = i.to_le_bytes().to_vec();
+            msg.extend_from_slice(&sha(&data));
+            p.client
+                .write_then_send(data, r.slice(i * slot as u64, slot as u64).unwrap(), msg)
+        });
+        let check = async {
+            for _ in 0..64 {
+                let m = p.server.recv_message().await.unwrap();
+                let i = u64::from_le_bytes(m[..8].try_into().unwrap()) as usize;
+                let now = sha(&mr.read()[i * slot..(i + 1) * slot]);
+                assert_eq!(&m[8..], &now[..], "slot {i}: message before data");
+            }
+        };
+        let ops = ops.map(std::future::IntoFuture::into_future);
+        let (results, ()) = tokio::join!(futures_util::future::join_all(ops), check);
+        for r in results {
+            r.unwrap();
+        }
+
+        // A refused write: the write's error; the message may have gone
+        // (as documented), and the connection stays in step.
+        let ro = d.register(64, Access::REMOTE_READ);
+        assert_eq!(
+            denied(
+                p.client
+                    .write_then_send(
+                        vec![1; 8],
+                        ro.remote().slice(0, 8).unwrap(),
+                        &b"refused"[..]
+                    )
+                    .await
+            ),
+            AccessError::Permission
+        );
+        assert!(
+            ro.read().iter().all(|&b| b == 0),
+            "a refused write stored data"
+        );
+        p.client.send(&b"in step"[..]).await.unwrap();
+        let mut m = p.server.recv_message().await.unwrap();
+        if &m[..] == b"refused" {
+            m = p.server.recv_message().await.unwrap();
+        }
+        assert_eq!(&m[..], b"in step");
+    }
+
     /// Graceful close: the peer's receive ends with `Disconnected`, later
     /// operations on either side fail cleanly.
     pub async fn graceful_close(&self) {
@@ -896,7 +999,7 @@ macro_rules! conformance_tests {
             message_order_and_boundaries, read_write_edges, access_violations,
             atomics_under_contention, large_transfer, many_in_flight,
             peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
-            write_with_immediate, graceful_close, deadlines_and_counters);
+            write_with_immediate, write_then_send, graceful_close, deadlines_and_counters);
     };
     (@cases $make:expr; $attrs:tt; $case:ident $(, $rest:ident)*) => {
         $crate::conformance_tests!(@one $make; $attrs; $case);

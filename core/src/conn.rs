@@ -115,6 +115,26 @@ pub trait RawConnection: Send + Sync + 'static {
         data: Bytes,
         imm: Option<u32>,
     ) -> BoxFuture<'static, Result<()>>;
+    /// Write `data` to `dst`, then send `msg`, which the peer receives only
+    /// after the write's data is in place. A transport that keeps its
+    /// operations in order (an RDMA queue pair, IBTA 9.5; one TCP stream)
+    /// posts both at once, so the message does not wait for the write's
+    /// acknowledgement; the default waits for the write, then sends. If the
+    /// write fails, the error is the write's, and whether the message was
+    /// delivered depends on the transport.
+    fn write_then_send(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<()>> {
+        let write = self.write(dst, data, None);
+        let send = self.send(msg);
+        Box::pin(async move {
+            write.await?;
+            send.await
+        })
+    }
     /// Run an atomic on the remote 8-byte word; returns the old value.
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>>;
     /// Close gracefully: the peer sees a clean disconnect.
@@ -154,6 +174,8 @@ enum OpKind {
     Write,
     Atomic,
     Close,
+    /// A write and a send after it.
+    WriteThenSend,
 }
 
 impl OpKind {
@@ -165,6 +187,7 @@ impl OpKind {
             OpKind::Write => "write",
             OpKind::Atomic => "atomic",
             OpKind::Close => "close",
+            OpKind::WriteThenSend => "write_then_send",
         }
     }
 }
@@ -232,6 +255,10 @@ impl<T: Send + 'static> IntoFuture for Op<T> {
                         OpKind::Send => stats.add(|s| &s.sends, count),
                         OpKind::Recv => stats.add(|s| &s.recvs, count),
                         OpKind::Close => {}
+                        OpKind::WriteThenSend => {
+                            stats.add(|s| &s.writes, count);
+                            stats.add(|s| &s.sends, count);
+                        }
                     },
                     Err(e) => {
                         stats.add(|s| &s.errors, 1);
@@ -446,6 +473,41 @@ impl Connection {
             );
         }
         self.op(OpKind::Write, dst.len, self.raw.write(dst, data, imm))
+    }
+
+    /// One-sided write of `data` to `dst`, then `msg` as a message that the
+    /// peer's `recv` yields only after the written data is in place: NVMe
+    /// over Fabrics' "read data by RDMA WRITE, then the response capsule by
+    /// SEND" (the NVMe RDMA transport binding, relying on the RC ordering of
+    /// IBTA 9.5) in one operation. Where the transport keeps
+    /// order (RDMA queue pairs, TCP) both are posted at once and the message
+    /// does not wait a round trip for the write's acknowledgement. Waits for
+    /// a receive credit like [`Connection::send`]. If the write fails the
+    /// error is the write's and the message may already have been
+    /// delivered: treat the peer as broken (its region was bad).
+    pub fn write_then_send(
+        &self,
+        data: impl Into<Bytes>,
+        dst: RemoteRegion,
+        msg: impl Into<Bytes>,
+    ) -> Op<()> {
+        let (data, msg) = (data.into(), msg.into());
+        if data.len() as u64 != dst.len {
+            return self.failed(
+                OpKind::WriteThenSend,
+                Error::InvalidArgument(format!(
+                    "write of {} bytes to a {}-byte remote range",
+                    data.len(),
+                    dst.len
+                )),
+            );
+        }
+        let bytes = dst.len + msg.len() as u64;
+        self.op(
+            OpKind::WriteThenSend,
+            bytes,
+            self.raw.write_then_send(dst, data, msg),
+        )
     }
 
     /// Compare-and-swap on the remote 8-byte word `dst`; returns the old value

@@ -1323,6 +1323,57 @@ impl RawConnection for RdmaConnection {
         })
     }
 
+    fn write_then_send(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            if dst.len > MAX_RDMA_SIZE {
+                return Err(Error::InvalidArgument(format!(
+                    "a write of {} bytes exceeds {MAX_RDMA_SIZE}",
+                    dst.len
+                )));
+            }
+            let len = msg.len() as u64;
+            if len > sh.peer_limits.max_message {
+                return Err(Error::ResourceExhausted(format!(
+                    "message of {len} bytes exceeds the peer's limit of {}",
+                    sh.peer_limits.max_message
+                )));
+            }
+            // WRITE then SEND back to back on the one send queue: the
+            // responder places the WRITE before it consumes a receive for
+            // the SEND (IBTA 9.5, RC ordering), so the SEND need not wait
+            // for the WRITE's ACK.
+            let order = sh.send_order.lock().await;
+            let write_permit = sh.permit().await?;
+            let send_permit = sh.permit().await?;
+            sh.take_credit(len).await?;
+            let wrote = sh.submit(
+                SendOp::Write {
+                    sg: vec![data],
+                    dst,
+                    imm: None,
+                },
+                write_permit,
+            )?;
+            let sent = sh.submit(
+                SendOp::Send {
+                    sg: vec![msg],
+                    imm: None,
+                },
+                send_permit,
+            )?;
+            drop(order);
+            let (w, s) = tokio::join!(wait(wrote, &sh), wait(sent, &sh));
+            w?;
+            s.map(|_| ())
+        })
+    }
+
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>> {
         let sh = self.sh.clone();
         Box::pin(async move {

@@ -883,6 +883,70 @@ impl Shared {
         Ok(())
     }
 
+    /// A write's frames and then a message's, queued together (one
+    /// `writev` when the socket is idle): the peer's reader applies the
+    /// write before it reads the message, so the message waits for no
+    /// acknowledgement. Waits for the write's answers.
+    async fn write_then_send(
+        self: Arc<Self>,
+        dst: RemoteRegion,
+        data: Bytes,
+        msg: Bytes,
+    ) -> Result<()> {
+        check_rdma_len(dst.len)?;
+        let len = msg.len() as u64;
+        if len > self.peer.max_message {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {len} bytes exceeds the peer's limit of {}",
+                self.peer.max_message
+            )));
+        }
+        let _permit = self
+            .inflight
+            .acquire()
+            .await
+            .map_err(|_| self.disconnected())?;
+        // FIFO with other senders; nothing is queued before the credit is ours.
+        let order = self.send_order.lock().await;
+        self.take_credit(len).await?;
+        let mut frames = Vec::new();
+        let mut waits = Vec::new();
+        let mut guards = Vec::new();
+        for (off, plen) in pieces(dst.len) {
+            let mut h = Header::new(Kind::Write);
+            h.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            h.addr = dst.addr;
+            h.rkey = dst.rkey;
+            h.a = dst.len;
+            h.b = off;
+            if off + plen == dst.len {
+                h.flags |= FLAG_LAST;
+            }
+            let (tx, rx) = oneshot::channel();
+            self.pending.lock().insert(h.id, tx);
+            guards.push(PendingGuard {
+                shared: &self,
+                id: h.id,
+            });
+            waits.push(rx);
+            self.stats.add(|s| &s.bytes_sent, plen);
+            frames.push(OutFrame::new(
+                h,
+                data.slice(off as usize..(off + plen) as usize),
+            ));
+        }
+        self.stats.add(|s| &s.bytes_sent, len);
+        frames.push(OutFrame::new(Header::new(Kind::Send), msg));
+        self.enqueue_many(frames)?;
+        drop(order);
+        for rx in waits {
+            let r = rx.await.map_err(|_| self.disconnected())?;
+            status(r.status)?;
+        }
+        drop(guards);
+        Ok(())
+    }
+
     async fn atomic(self: Arc<Self>, dst: RemoteRegion, op: AtomicOp) -> Result<u64> {
         let _permit = self
             .inflight
@@ -1204,6 +1268,15 @@ impl RawConnection for TcpConnection {
         imm: Option<u32>,
     ) -> BoxFuture<'static, Result<()>> {
         Box::pin(self.shared.clone().write(dst, data, imm))
+    }
+
+    fn write_then_send(
+        &self,
+        dst: RemoteRegion,
+        data: Bytes,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().write_then_send(dst, data, msg))
     }
 
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>> {

@@ -99,11 +99,30 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
         let (t, c, h) = (target.clone(), conn.clone(), sqhd.clone());
         tasks.spawn(async move {
             t.stats.inflight.fetch_add(1, Relaxed);
-            let done = command(&t, &c, &qa, &sqe, data).await;
+            let (done, push) = command(&t, &c, &qa, &sqe, data).await;
             t.stats.inflight.fetch_sub(1, Relaxed);
             let entries = u32::from(qa.sqsize) + 1;
-            if let Err(e) = respond(&c, &h, entries, qa.qid, sqe.cid, &done).await {
-                tracing::debug!(error = %e, "response not sent");
+            let cqe = response(&h, entries, qa.qid, sqe.cid, &done);
+            let Some((data, dst)) = push else {
+                if let Err(e) = c.send(cqe).await {
+                    tracing::debug!(error = %e, "response not sent");
+                }
+                return;
+            };
+            // The read data by one-sided WRITE, the response right behind it
+            // on the same connection: the host receives the response only
+            // after the data is in its memory (NVMe RDMA binding; RC order).
+            match c.write_then_send(data, dst, cqe).await {
+                Ok(()) => {}
+                Err(e @ Error::RemoteAccess(_)) => {
+                    // The host named memory it does not lend us. The response
+                    // may have gone out behind the refused WRITE, so end the
+                    // queue, as an RDMA queue pair in error would.
+                    t.stats.protocol_errors.fetch_add(1, Relaxed);
+                    tracing::info!(error = %e, cid = sqe.cid, "WRITE of read data refused; closing the queue");
+                    let _ = c.close().await;
+                }
+                Err(e) => tracing::debug!(error = %e, "read data or response not sent"),
             }
         });
     };
@@ -133,57 +152,74 @@ fn in_capsule(sqe: &Sqe, data: &Bytes) -> Result<(), Status> {
     Ok(())
 }
 
-/// Gather a command's data, run it, deliver its result data.
-async fn command(t: &Target, conn: &Connection, q: &Queue, sqe: &Sqe, in_cap: Bytes) -> Completion {
+/// Gather a command's data and run it: its completion, and the result data
+/// to push into the host's memory (by one-sided WRITE, before the response).
+async fn command(
+    t: &Target,
+    conn: &Connection,
+    q: &Queue,
+    sqe: &Sqe,
+    in_cap: Bytes,
+) -> (Completion, Option<(Bytes, RemoteRegion)>) {
+    let mut c = gather_and_execute(t, conn, q, sqe, in_cap).await;
+    if !c.status.is_success() || c.data.is_empty() {
+        return (c, None);
+    }
+    if !matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE) {
+        return (Completion::error(Status::SGL_TYPE_INVALID), None);
+    }
+    let remote = RemoteRegion {
+        addr: sqe.sgl.addr,
+        len: u64::from(sqe.sgl.len),
+        rkey: sqe.sgl.key,
+    };
+    let n = c.data.len().min(remote.len as usize);
+    let out = c.data.slice(..n);
+    c.data = Bytes::new();
+    (c, Some((out, remote.slice(0, n as u64).expect("in range"))))
+}
+
+/// Pull a command's data (in the capsule, or by one-sided READ) and run it.
+async fn gather_and_execute(
+    t: &Target,
+    conn: &Connection,
+    q: &Queue,
+    sqe: &Sqe,
+    in_cap: Bytes,
+) -> Completion {
     let keyed = matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE);
     let remote = RemoteRegion {
         addr: sqe.sgl.addr,
         len: u64::from(sqe.sgl.len),
         rkey: sqe.sgl.key,
     };
+    let fail = Completion::error;
     if sqe.sgl.len > MAX_TRANSFER {
-        return Completion::error(Status::INVALID_FIELD);
+        return fail(Status::INVALID_FIELD);
     }
     let data = match (sqe.direction(), sqe.sgl.id) {
         (_, sgl::DATA_BLOCK_OFFSET) => match in_capsule(sqe, &in_cap) {
             Ok(()) => in_cap,
-            Err(s) => return Completion::error(s),
+            Err(s) => return fail(s),
         },
-        _ if !in_cap.is_empty() => return Completion::error(Status::SGL_OFFSET_INVALID),
+        _ if !in_cap.is_empty() => return fail(Status::SGL_OFFSET_INVALID),
         (Direction::HostToController, _) if keyed && remote.len > 0 => {
             // Pull the host's data with a one-sided READ.
             match conn.read(remote).await {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::info!(error = %e, cid = sqe.cid, "READ of the host's data failed");
-                    return Completion::error(Status::DATA_TRANSFER_ERROR);
+                    return fail(Status::DATA_TRANSFER_ERROR);
                 }
             }
         }
         (_, _) if keyed || sqe.sgl.len == 0 => Bytes::new(),
-        _ => return Completion::error(Status::SGL_TYPE_INVALID),
+        _ => return fail(Status::SGL_TYPE_INVALID),
     };
-    let mut c = t.execute(q, sqe, data).await;
-    if c.status.is_success() && !c.data.is_empty() {
-        if !keyed {
-            return Completion::error(Status::SGL_TYPE_INVALID);
-        }
-        // Push the result with a one-sided WRITE before the response.
-        let n = c.data.len().min(remote.len as usize);
-        let out = c.data.slice(..n);
-        if let Err(e) = conn
-            .write(out, remote.slice(0, n as u64).expect("in range"))
-            .await
-        {
-            tracing::info!(error = %e, cid = sqe.cid, "WRITE of the result failed");
-            return Completion::error(Status::DATA_TRANSFER_ERROR);
-        }
-        c.data = Bytes::new();
-    }
-    c
+    t.execute(q, sqe, data).await
 }
 
-/// SEND the response capsule: the CQE, SQ head advanced by one.
+/// SEND the response capsule.
 async fn respond(
     conn: &Connection,
     sqhd: &AtomicU32,
@@ -192,8 +228,13 @@ async fn respond(
     cid: u16,
     c: &Completion,
 ) -> Result<(), Error> {
+    conn.send(response(sqhd, entries, qid, cid, c)).await
+}
+
+/// The response capsule: the CQE, SQ head advanced by one.
+fn response(sqhd: &AtomicU32, entries: u32, qid: u16, cid: u16, c: &Completion) -> Bytes {
     let head = sqhd.fetch_add(1, Relaxed).wrapping_add(1) % entries.max(1);
     let mut b = BytesMut::with_capacity(16);
     b.put_slice(&c.cqe(head as u16, qid, cid));
-    conn.send(b.freeze()).await
+    b.freeze()
 }

@@ -302,3 +302,43 @@ async fn transmission_moves_data_and_refuses_bad_requests() {
     again.request(cmd::READ, 0, 30, 4096, 512, &[]).await;
     assert!(again.chunk().await.3[8..] == data[..512]);
 }
+
+/// Requests pipelined far past the server's 64 in flight, replies read only
+/// afterwards: every reply comes once, by cookie, each read with the bytes
+/// its block was written with (writes and reads of one block are ordered by
+/// waiting for the write replies first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_all_answered_by_cookie() {
+    let addr = start().await;
+    let mut c = Client::go(addr, false).await;
+    let blocks = 200u64;
+    let block = |i: u64| -> Vec<u8> { (0..4096u64).map(|j| (i * 31 + j * 7) as u8).collect() };
+    for i in 0..blocks {
+        c.request(cmd::WRITE, 0, i, i * 8192, 4096, &block(i)).await;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..blocks {
+        let (err, cookie) = c.simple().await;
+        assert_eq!(err, 0, "write {cookie}");
+        assert!(
+            cookie < blocks && seen.insert(cookie),
+            "cookie {cookie} twice or unknown"
+        );
+    }
+    for i in 0..blocks {
+        c.request(cmd::READ, 0, 1000 + i, i * 8192, 4096, &[]).await;
+    }
+    let mut read = std::collections::HashSet::new();
+    for _ in 0..blocks {
+        let (err, cookie) = c.simple().await;
+        assert_eq!(err, 0, "read {cookie}");
+        let i = cookie - 1000;
+        assert!(
+            i < blocks && read.insert(i),
+            "cookie {cookie} twice or unknown"
+        );
+        let mut d = vec![0u8; 4096];
+        c.s.read_exact(&mut d).await.unwrap();
+        assert!(d == block(i), "block {i}");
+    }
+}

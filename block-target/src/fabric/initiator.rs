@@ -86,18 +86,20 @@ struct Cqe {
 }
 
 /// One queue: a connection, its outstanding commands by CID.
+///
+/// No task of its own reads the responses: a command waiting for its
+/// response takes the receive side (one at a time), reads responses and
+/// hands each to its command until its own arrives. At queue depth 1 the
+/// response wakes the very task that waits for it.
 struct QueueConn {
     conn: Arc<Connection>,
-    pending: Arc<Mutex<HashMap<u16, oneshot::Sender<Cqe>>>>,
+    pending: Mutex<HashMap<u16, oneshot::Sender<Cqe>>>,
+    /// Held by the command currently reading responses.
+    receiving: tokio::sync::Mutex<()>,
+    /// Why the queue stopped (a failed receive or a bad response).
+    closed: Mutex<Option<String>>,
     next_cid: AtomicU16,
     slots: Semaphore,
-    reader: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for QueueConn {
-    fn drop(&mut self) {
-        self.reader.abort();
-    }
 }
 
 impl QueueConn {
@@ -108,34 +110,54 @@ impl QueueConn {
         depth: u16,
     ) -> Result<QueueConn, BlockError> {
         let conn = Arc::new(ts.connect(url, opts).await?);
-        let pending: Arc<Mutex<HashMap<u16, oneshot::Sender<Cqe>>>> = Arc::default();
-        let (c, p) = (conn.clone(), pending.clone());
-        let reader = tokio::spawn(async move {
-            // Responses: 16-byte CQEs, matched to their commands by CID.
-            while let Ok(m) = c.recv_message().await {
-                if m.len() != CQE_LEN {
-                    tracing::warn!(len = m.len(), "not a response capsule; closing");
-                    break;
-                }
-                let cid = u16::from_le_bytes([m[12], m[13]]);
-                let cqe = Cqe {
-                    dw0: u32::from_le_bytes(m[0..4].try_into().expect("4")),
-                    status: Status::from_cqe_word(u16::from_le_bytes([m[14], m[15]])),
-                };
-                if let Some(tx) = p.lock().remove(&cid) {
-                    let _ = tx.send(cqe);
-                }
-            }
-            // Whatever still waits fails: its sender is dropped here.
-            p.lock().clear();
-        });
         Ok(QueueConn {
             conn,
-            pending,
+            pending: Mutex::default(),
+            receiving: tokio::sync::Mutex::new(()),
+            closed: Mutex::default(),
             next_cid: AtomicU16::new(0),
             slots: Semaphore::new(usize::from(depth)),
-            reader,
         })
+    }
+
+    fn closed_error(&self) -> Option<BlockError> {
+        self.closed.lock().clone().map(BlockError::Protocol)
+    }
+
+    /// Stop the queue: every command still waiting fails.
+    fn close(&self, why: String) {
+        tracing::warn!(why = %why, "NVMe over rdmx queue closed");
+        self.closed.lock().get_or_insert(why);
+        // Dropping the senders fails their commands.
+        self.pending.lock().clear();
+    }
+
+    /// Read one response and hand it to its command (a response capsule is
+    /// a 16-byte CQE, matched by CID).
+    async fn receive_one(&self) -> Result<(), BlockError> {
+        // recv_message is cancel-safe: a message is taken whole or not at
+        // all. No deadline: a command waits as long as the connection lives.
+        let m = match self.conn.recv_message().await {
+            Ok(m) => m,
+            Err(e) => {
+                self.close(format!("receive failed: {e}"));
+                return Err(e.into());
+            }
+        };
+        if m.len() != CQE_LEN {
+            let why = format!("a {}-byte message is not a response capsule", m.len());
+            self.close(why.clone());
+            return Err(BlockError::Protocol(why));
+        }
+        let cid = u16::from_le_bytes([m[12], m[13]]);
+        let cqe = Cqe {
+            dw0: u32::from_le_bytes(m[0..4].try_into().expect("4")),
+            status: Status::from_cqe_word(u16::from_le_bytes([m[14], m[15]])),
+        };
+        if let Some(tx) = self.pending.lock().remove(&cid) {
+            let _ = tx.send(cqe);
+        }
+        Ok(())
     }
 
     /// Send a capsule and wait for its response.
@@ -145,7 +167,10 @@ impl QueueConn {
             .acquire()
             .await
             .map_err(|_| BlockError::Protocol("queue closed".into()))?;
-        let (tx, rx) = oneshot::channel();
+        if let Some(e) = self.closed_error() {
+            return Err(e);
+        }
+        let (tx, mut rx) = oneshot::channel();
         let cid = loop {
             let c = self.next_cid.fetch_add(1, Relaxed);
             let mut p = self.pending.lock();
@@ -154,6 +179,8 @@ impl QueueConn {
                 break c;
             }
         };
+        // If this future is dropped, the CID stays taken until its response
+        // comes (a late response never reaches a newer command).
         sqe.cid = cid;
         sqe.flags = 0x40; // PSDT: SGL
         let mut b = BytesMut::with_capacity(SQE_LEN + in_capsule.len());
@@ -163,8 +190,26 @@ impl QueueConn {
             self.pending.lock().remove(&cid);
             return Err(e.into());
         }
-        rx.await
-            .map_err(|_| BlockError::Protocol("connection closed before the response".into()))
+        let gone = || {
+            self.closed_error().unwrap_or_else(|| {
+                BlockError::Protocol("connection closed before the response".into())
+            })
+        };
+        tokio::select! {
+            biased;
+            r = &mut rx => r.map_err(|_| gone()),
+            _turn = self.receiving.lock() => {
+                // Ours may have come while we waited for the turn.
+                loop {
+                    match rx.try_recv() {
+                        Ok(c) => return Ok(c),
+                        Err(oneshot::error::TryRecvError::Closed) => return Err(gone()),
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                    }
+                    self.receive_one().await?;
+                }
+            }
+        }
     }
 
     async fn run(&self, sqe: Sqe, in_capsule: &[u8]) -> Result<u32, BlockError> {

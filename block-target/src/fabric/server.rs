@@ -1,12 +1,12 @@
 //! The target side of NVMe over rdmx.
 
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use rdmx_core::{Connection, Error, Listener, RemoteRegion};
-use tokio::task::JoinSet;
 
 use crate::nvme::command::{fabrics, sgl, Completion, Direction, Sqe, SQE_LEN};
 use crate::nvme::identify::{MAX_IN_CAPSULE, MAX_TRANSFER};
@@ -41,16 +41,21 @@ pub async fn serve(mut listener: Listener, target: Arc<Target>) {
 
 /// Serve one queue (one connection) until the host closes it, breaks the
 /// protocol, or its controller goes.
+///
+/// The queue's task runs its commands itself, many at once (no task per
+/// command): a command's completion leaves without a hop between tasks.
 pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     let conn = Arc::new(conn);
     let mut q = Queue::new(None);
     let mut queue: Option<Arc<Queue>> = None;
-    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut inflight = FuturesUnordered::new();
     let sqhd = Arc::new(AtomicU32::new(0));
     let result = loop {
         let gone = Queue::controller_gone(queue.as_deref());
         // recv_message is cancel-safe: a message is taken whole or not at all.
         let msg = tokio::select! {
+            biased;
+            Some(()) = inflight.next(), if !inflight.is_empty() => continue,
             m = conn.recv_message() => m,
             _ = gone => break Ok(()),
         };
@@ -87,20 +92,19 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
             respond(&conn, &sqhd, entries, q_id(&queue), sqe.cid, &c).await?;
             continue;
         };
-        while tasks.try_join_next().is_some() {}
-        if tasks.len() >= 2 * (usize::from(qa.sqsize) + 1) {
+        if inflight.len() >= 2 * (usize::from(qa.sqsize) + 1) {
             target.stats.protocol_errors.fetch_add(1, Relaxed);
             break Err(Error::Protocol(format!(
                 "more than {} commands outstanding on a queue of {}",
-                tasks.len(),
+                inflight.len(),
                 u32::from(qa.sqsize) + 1
             )));
         }
         let (t, c, h) = (target.clone(), conn.clone(), sqhd.clone());
-        tasks.spawn(async move {
-            t.stats.inflight.fetch_add(1, Relaxed);
+        inflight.push(async move {
+            let busy = Busy::new(&t.stats.inflight);
             let (done, push) = command(&t, &c, &qa, &sqe, data).await;
-            t.stats.inflight.fetch_sub(1, Relaxed);
+            drop(busy);
             let entries = u32::from(qa.sqsize) + 1;
             let cqe = response(&h, entries, qa.qid, sqe.cid, &done);
             let Some((data, dst)) = push else {
@@ -126,12 +130,30 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
             }
         });
     };
-    tasks.abort_all();
+    // Commands still running are dropped with the queue (the host's
+    // connection is gone or broke the protocol).
+    drop(inflight);
     match &queue {
         Some(qa) => target.queue_closed(qa),
         None => target.queue_closed(&q),
     }
     result
+}
+
+/// Counts a command as in flight while it lives (dropped commands too).
+struct Busy<'a>(&'a AtomicI64);
+
+impl<'a> Busy<'a> {
+    fn new(n: &'a AtomicI64) -> Self {
+        n.fetch_add(1, Relaxed);
+        Busy(n)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 fn q_id(q: &Option<Arc<Queue>>) -> u16 {

@@ -3,5 +3,6 @@
 
 pub mod proto;
 pub mod server;
+mod transmission;
 
 pub use server::{connection, serve, NbdConfig, MAX_PAYLOAD};

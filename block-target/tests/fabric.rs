@@ -272,3 +272,51 @@ async fn host_naming_memory_it_does_not_lend_over_tcp() {
 async fn host_naming_memory_it_does_not_lend_over_soft_roce() {
     host_naming_memory_it_does_not_lend("rdma").await;
 }
+
+/// Reads dropped right after their capsule went out: the buffer the target
+/// WRITEs into stays lent until the response (so the target's WRITE is never
+/// refused and the queue lives on), and later reads get exact data.
+async fn dropped_reads_leave_the_queue_whole(scheme: &str) {
+    use futures_util::FutureExt;
+    let (url, t) = start(scheme).await;
+    let one_queue = InitiatorConfig { queues: 1, ..cfg() };
+    let dev = Initiator::connect(&transports(), &url, one_queue)
+        .await
+        .unwrap();
+    let data = pattern(11, 128 << 10);
+    dev.write(0, Bytes::from(data.clone()), false)
+        .await
+        .unwrap();
+    let errors = t.stats.protocol_errors.load(Relaxed);
+    let mut dropped = 0;
+    for i in 0..32u64 {
+        // Polled once (the command is sent), then dropped.
+        if dev.read(i % 4 * 64, 256).now_or_never().is_none() {
+            dropped += 1;
+        }
+    }
+    assert!(dropped > 0, "no read was still waiting when dropped");
+    for i in 0..8u64 {
+        let got = dev.read(i * 32, 32).await.unwrap();
+        let at = (i * 32 * 512) as usize;
+        assert!(
+            got[..] == data[at..at + 16384],
+            "read {i} after the dropped ones"
+        );
+    }
+    assert_eq!(
+        t.stats.protocol_errors.load(Relaxed),
+        errors,
+        "the target saw a refused WRITE"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_reads_leave_the_queue_whole_over_tcp() {
+    dropped_reads_leave_the_queue_whole("tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_reads_leave_the_queue_whole_over_soft_roce() {
+    dropped_reads_leave_the_queue_whole("rdma").await;
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
-use rdmx_core::{Access, Connection, Options, Transports};
+use rdmx_core::{Access, Connection, MemoryRegion, Options, Transports};
 use tokio::sync::{oneshot, Semaphore};
 
 use crate::nvme::command::{admin, fabrics, io, sgl, Sgl, Sqe, CQE_LEN, SQE_LEN};
@@ -85,6 +85,61 @@ struct Cqe {
     status: Status,
 }
 
+/// A command waiting for its response, with the memory it lent the target.
+struct Waiter {
+    tx: oneshot::Sender<(Cqe, Lent)>,
+    lent: Lent,
+}
+
+/// Memory a command lends the target until its response arrives.
+enum Lent {
+    /// None (in-capsule data, or no data).
+    Nothing,
+    /// A pooled buffer the target WRITEs read data into.
+    ReadBuffer(MemoryRegion),
+    /// Write data the target READs (held only to stay registered).
+    WriteData(#[allow(dead_code)] MemoryRegion),
+}
+
+/// Registered buffers the target WRITEs read data into, kept for reuse:
+/// registering per command costs a memory registration (on a NIC, a
+/// system call and page pinning). Buffers are powers of two from 4 KiB to
+/// MDTS; at most [`BufferPool::MAX_BYTES`] stay pooled.
+#[derive(Default)]
+struct BufferPool {
+    free: Mutex<Vec<MemoryRegion>>,
+}
+
+impl BufferPool {
+    const MAX_BYTES: usize = 8 << 20;
+
+    fn class(len: usize) -> usize {
+        len.next_power_of_two().max(4096)
+    }
+
+    /// A buffer of at least `len` bytes the peer may write.
+    fn take(&self, domain: &rdmx_core::Domain, len: usize) -> MemoryRegion {
+        let want = Self::class(len);
+        let mut free = self.free.lock();
+        match free.iter().position(|m| m.len() == want) {
+            Some(i) => free.swap_remove(i),
+            None => {
+                drop(free);
+                domain.register(want, Access::REMOTE_WRITE)
+            }
+        }
+    }
+
+    /// Give a buffer back (deregistered instead when the pool is full).
+    fn put(&self, mr: MemoryRegion) {
+        let mut free = self.free.lock();
+        let pooled: usize = free.iter().map(|m| m.len()).sum();
+        if pooled + mr.len() <= Self::MAX_BYTES {
+            free.push(mr);
+        }
+    }
+}
+
 /// One queue: a connection, its outstanding commands by CID.
 ///
 /// No task of its own reads the responses: a command waiting for its
@@ -93,7 +148,9 @@ struct Cqe {
 /// response wakes the very task that waits for it.
 struct QueueConn {
     conn: Arc<Connection>,
-    pending: Mutex<HashMap<u16, oneshot::Sender<Cqe>>>,
+    pending: Mutex<HashMap<u16, Waiter>>,
+    /// Registered buffers for read data, reused across commands.
+    buffers: BufferPool,
     /// Held by the command currently reading responses.
     receiving: tokio::sync::Mutex<()>,
     /// Why the queue stopped (a failed receive or a bad response).
@@ -113,6 +170,7 @@ impl QueueConn {
         Ok(QueueConn {
             conn,
             pending: Mutex::default(),
+            buffers: BufferPool::default(),
             receiving: tokio::sync::Mutex::new(()),
             closed: Mutex::default(),
             next_cid: AtomicU16::new(0),
@@ -154,14 +212,27 @@ impl QueueConn {
             dw0: u32::from_le_bytes(m[0..4].try_into().expect("4")),
             status: Status::from_cqe_word(u16::from_le_bytes([m[14], m[15]])),
         };
-        if let Some(tx) = self.pending.lock().remove(&cid) {
-            let _ = tx.send(cqe);
+        let waiter = self.pending.lock().remove(&cid);
+        if let Some(w) = waiter {
+            // A command whose caller is gone: its buffer is free now that
+            // the target has answered (data before response), so reuse it.
+            if let Err((_, Lent::ReadBuffer(mr))) = w.tx.send((cqe, w.lent)) {
+                self.buffers.put(mr);
+            }
         }
         Ok(())
     }
 
-    /// Send a capsule and wait for its response.
-    async fn submit(&self, mut sqe: Sqe, in_capsule: &[u8]) -> Result<Cqe, BlockError> {
+    /// Send a capsule and wait for its response. `lent` is memory the
+    /// command lets the target access: it stays registered until the
+    /// response arrives, even if this future is dropped first, and comes
+    /// back with the response.
+    async fn submit(
+        &self,
+        mut sqe: Sqe,
+        in_capsule: &[u8],
+        lent: Lent,
+    ) -> Result<(Cqe, Lent), BlockError> {
         let _slot = self
             .slots
             .acquire()
@@ -171,11 +242,12 @@ impl QueueConn {
             return Err(e);
         }
         let (tx, mut rx) = oneshot::channel();
+        let mut waiter = Some(Waiter { tx, lent });
         let cid = loop {
             let c = self.next_cid.fetch_add(1, Relaxed);
             let mut p = self.pending.lock();
             if let std::collections::hash_map::Entry::Vacant(e) = p.entry(c) {
-                e.insert(tx);
+                e.insert(waiter.take().expect("inserted once"));
                 break c;
             }
         };
@@ -213,7 +285,7 @@ impl QueueConn {
     }
 
     async fn run(&self, sqe: Sqe, in_capsule: &[u8]) -> Result<u32, BlockError> {
-        let c = self.submit(sqe, in_capsule).await?;
+        let (c, _) = self.submit(sqe, in_capsule, Lent::Nothing).await?;
         if c.status.is_success() {
             Ok(c.dw0)
         } else {
@@ -476,12 +548,14 @@ impl Initiator {
         }
     }
 
-    /// Read `blocks` blocks at `lba`: the target WRITEs them into a region
-    /// registered for this command.
+    /// Read `blocks` blocks at `lba`: the target WRITEs them into a buffer
+    /// registered for the queue (reused; lent until the response arrives,
+    /// so dropping this future never lets the target write into memory
+    /// that was handed to another command).
     pub async fn read(&self, lba: u64, blocks: u32) -> Result<Bytes, BlockError> {
         let len = self.check(lba, u64::from(blocks))?;
         let q = self.queue();
-        let mr = q.conn.domain().register(len as usize, Access::REMOTE_WRITE);
+        let mr = q.buffers.take(q.conn.domain(), len as usize);
         let r = mr.remote();
         let sgl = Sgl {
             addr: r.addr,
@@ -489,10 +563,17 @@ impl Initiator {
             key: r.rkey,
             id: sgl::KEYED_ADDRESS,
         };
-        q.run(self.rw(io::READ, lba, u64::from(blocks), sgl, false), &[])
-            .await?;
-        let out = Bytes::copy_from_slice(&mr.read());
-        Ok(out)
+        let sqe = self.rw(io::READ, lba, u64::from(blocks), sgl, false);
+        let (c, lent) = q.submit(sqe, &[], Lent::ReadBuffer(mr)).await?;
+        let Lent::ReadBuffer(mr) = lent else {
+            unreachable!("the lent buffer comes back with the response")
+        };
+        let out = c
+            .status
+            .is_success()
+            .then(|| Bytes::copy_from_slice(&mr.read()[..len as usize]));
+        q.buffers.put(mr);
+        out.ok_or(BlockError::Nvme(c.status))
     }
 
     /// Write `data` (whole blocks) at `lba`; with `fua`, durably before it
@@ -527,10 +608,19 @@ impl Initiator {
             key: r.rkey,
             id: sgl::KEYED_ADDRESS,
         };
-        q.run(self.rw(io::WRITE, lba, blocks, sgl, fua), &[])
+        // Lent until the response, even if this future is dropped.
+        let (c, _) = q
+            .submit(
+                self.rw(io::WRITE, lba, blocks, sgl, fua),
+                &[],
+                Lent::WriteData(mr),
+            )
             .await?;
-        drop(mr);
-        Ok(())
+        if c.status.is_success() {
+            Ok(())
+        } else {
+            Err(BlockError::Nvme(c.status))
+        }
     }
 
     /// Make every completed write durable (NVMe Flush).

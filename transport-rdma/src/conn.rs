@@ -734,6 +734,17 @@ impl Shared {
         self.stop.notify_one();
     }
 
+    /// A message must fit the peer's receive buffers.
+    fn check_message(&self, len: u64) -> Result<()> {
+        if len > self.peer_limits.max_message {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {len} bytes exceeds the peer's limit of {}",
+                self.peer_limits.max_message
+            )));
+        }
+        Ok(())
+    }
+
     /// Wait for a place among the operations in flight.
     async fn permit(&self) -> Result<OwnedSemaphorePermit> {
         self.inflight
@@ -1205,6 +1216,16 @@ impl Shared {
     }
 }
 
+/// One READ or WRITE moves at most [`MAX_RDMA_SIZE`] bytes.
+fn check_rdma_size(what: &str, len: u64) -> Result<()> {
+    if len > MAX_RDMA_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "a {what} of {len} bytes exceeds {MAX_RDMA_SIZE}"
+        )));
+    }
+    Ok(())
+}
+
 async fn wait(
     rx: oneshot::Receiver<Result<WorkCompletion>>,
     sh: &Shared,
@@ -1232,12 +1253,7 @@ impl RawConnection for RdmaConnection {
         let sh = self.sh.clone();
         Box::pin(async move {
             let len = msg.len() as u64;
-            if len > sh.peer_limits.max_message {
-                return Err(Error::ResourceExhausted(format!(
-                    "message of {len} bytes exceeds the peer's limit of {}",
-                    sh.peer_limits.max_message
-                )));
-            }
+            sh.check_message(len)?;
             let order = sh.send_order.lock().await;
             let permit = sh.permit().await?;
             sh.take_credit(len).await?;
@@ -1275,12 +1291,7 @@ impl RawConnection for RdmaConnection {
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
         let sh = self.sh.clone();
         Box::pin(async move {
-            if src.len > MAX_RDMA_SIZE {
-                return Err(Error::InvalidArgument(format!(
-                    "a read of {} bytes exceeds {MAX_RDMA_SIZE}",
-                    src.len
-                )));
-            }
+            check_rdma_size("read", src.len)?;
             let permit = sh.permit().await?;
             let rx = sh.submit(SendOp::Read { src }, permit)?;
             Ok(wait(rx, &sh).await?.data)
@@ -1295,12 +1306,7 @@ impl RawConnection for RdmaConnection {
     ) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
         Box::pin(async move {
-            if dst.len > MAX_RDMA_SIZE {
-                return Err(Error::InvalidArgument(format!(
-                    "a write of {} bytes exceeds {MAX_RDMA_SIZE}",
-                    dst.len
-                )));
-            }
+            check_rdma_size("write", dst.len)?;
             // The immediate consumes a receive at the peer, in order with sends.
             let order = match imm {
                 Some(_) => Some(sh.send_order.lock().await),
@@ -1331,19 +1337,9 @@ impl RawConnection for RdmaConnection {
     ) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
         Box::pin(async move {
-            if dst.len > MAX_RDMA_SIZE {
-                return Err(Error::InvalidArgument(format!(
-                    "a write of {} bytes exceeds {MAX_RDMA_SIZE}",
-                    dst.len
-                )));
-            }
+            check_rdma_size("write", dst.len)?;
             let len = msg.len() as u64;
-            if len > sh.peer_limits.max_message {
-                return Err(Error::ResourceExhausted(format!(
-                    "message of {len} bytes exceeds the peer's limit of {}",
-                    sh.peer_limits.max_message
-                )));
-            }
+            sh.check_message(len)?;
             // WRITE then SEND back to back on the one send queue: the
             // responder places the WRITE before it consumes a receive for
             // the SEND (IBTA 9.5, RC ordering), so the SEND need not wait

@@ -120,7 +120,7 @@ fn conformance_on_a_fake_libibverbs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
-        out.status.success() && stdout.contains("test result: ok. 13 passed"),
+        out.status.success() && stdout.contains("test result: ok. 14 passed"),
         "conformance on the fake libibverbs failed:\n{stdout}\n{stderr}"
     );
 }

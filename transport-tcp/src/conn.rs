@@ -895,12 +895,7 @@ impl Shared {
     ) -> Result<()> {
         check_rdma_len(dst.len)?;
         let len = msg.len() as u64;
-        if len > self.peer.max_message {
-            return Err(Error::ResourceExhausted(format!(
-                "message of {len} bytes exceeds the peer's limit of {}",
-                self.peer.max_message
-            )));
-        }
+        self.check_message(len)?;
         let _permit = self
             .inflight
             .acquire()
@@ -973,6 +968,17 @@ impl Shared {
 
     // --------------------------------------------------------------- two-sided
 
+    /// A message must fit the peer's receive buffers.
+    fn check_message(&self, len: u64) -> Result<()> {
+        if len > self.peer.max_message {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {len} bytes exceeds the peer's limit of {}",
+                self.peer.max_message
+            )));
+        }
+        Ok(())
+    }
+
     /// Take one message credit and `bytes` of window if there are; no waiting.
     fn try_take_credit(&self, bytes: u64) -> bool {
         let mut c = self.credits.lock();
@@ -1013,12 +1019,7 @@ impl Shared {
 
     async fn send(self: Arc<Self>, msg: Bytes) -> Result<()> {
         let len = msg.len() as u64;
-        if len > self.peer.max_message {
-            return Err(Error::ResourceExhausted(format!(
-                "message of {len} bytes exceeds the peer's limit of {}",
-                self.peer.max_message
-            )));
-        }
+        self.check_message(len)?;
         // FIFO among concurrent senders; dropping while waiting sends nothing.
         let _order = self.send_order.lock().await;
         self.take_credit(len).await?;
@@ -1031,12 +1032,8 @@ impl Shared {
     /// credits, those before it are queued first (so no credit is ever taken
     /// for a frame that a cancelled caller then does not send).
     async fn send_many(self: Arc<Self>, msgs: Vec<Bytes>) -> Result<()> {
-        if let Some(m) = msgs.iter().find(|m| m.len() as u64 > self.peer.max_message) {
-            return Err(Error::ResourceExhausted(format!(
-                "message of {} bytes exceeds the peer's limit of {}",
-                m.len(),
-                self.peer.max_message
-            )));
+        for m in &msgs {
+            self.check_message(m.len() as u64)?;
         }
         let _order = self.send_order.lock().await;
         let mut ready = Vec::with_capacity(msgs.len());

@@ -654,6 +654,74 @@ fn rnr_nak_waits_for_a_receive() {
     );
 }
 
+/// A receiver that reposts its receives slowly (perftest's `ib_send_bw -r 2`
+/// on a slow guest) against a window of sends: each RNR NAK is followed by a
+/// sequence NAK for the sends that were already behind it (rxe does this, and
+/// so does our responder), and the receiver stays RNR far longer than the ACK
+/// timeout. With `rnr_retry` 7 (infinite) the requester must wait for as long
+/// as it takes: neither those sequence NAKs nor the time spent RNR are retries.
+#[test]
+fn a_slow_receiver_is_waited_for_however_long() {
+    let mut sim = Sim::new(
+        QpConfig::default(),
+        QpConfig {
+            min_rnr_timer: 12, // 0.64 ms, perftest's
+            ..QpConfig::default()
+        },
+        Link::default(),
+        3,
+    );
+    let n = 24u64;
+    for i in 0..n {
+        sim.a
+            .post_send(
+                i,
+                WorkRequest::Send {
+                    data: Bytes::from(vec![i as u8; 64]),
+                    imm: None,
+                    invalidate: None,
+                },
+            )
+            .unwrap();
+    }
+    sim.b.post_recv(1000, 64).unwrap();
+    sim.b.post_recv(1001, 64).unwrap();
+    // One more receive every 150 ms: twice the 67 ms ACK timeout, so the
+    // requester sees 22 stretches of RNR NAKs longer than its timer.
+    let ack_timeout = QpConfig::default().ack_timeout_ns().unwrap();
+    for k in 2..n {
+        let until = sim.now + 150_000_000;
+        sim.run_until(until, |_| false);
+        assert!(
+            sim.done_a.iter().all(|c| c.status == WcStatus::Success),
+            "after {k} receives: {:?} {:?}",
+            sim.done_a.iter().find(|c| c.status != WcStatus::Success),
+            sim.a.stats()
+        );
+        sim.b.post_recv(1000 + k, 64).unwrap();
+    }
+    assert!(sim.run_until(sim.now + 10 * ack_timeout, |s| s.done_b.len() == n as usize));
+    assert!(sim.run_until(sim.now + 10 * ack_timeout, |s| s.done_a.len() == n as usize));
+    for (i, c) in sim.done_a.iter().enumerate() {
+        assert_eq!((c.wr_id, c.status), (i as u64, WcStatus::Success));
+    }
+    for (i, c) in sim.done_b.iter().enumerate() {
+        assert_eq!(
+            (c.wr_id, &c.data[..]),
+            (1000 + i as u64, &[i as u8; 64][..])
+        );
+    }
+    let st = sim.a.stats();
+    println!("{st:?}");
+    assert!(st.rnr_naks_received > 2 * n, "{st:?}");
+    assert!(
+        st.naks_received > n,
+        "sequence NAKs behind the RNR NAKs: {st:?}"
+    );
+    // RNR NAKs are answers: the ACK timer never ran out.
+    assert_eq!(st.timeouts, 0, "{st:?}");
+}
+
 #[test]
 fn rnr_retry_exhaustion_fails_the_request() {
     let cfg = QpConfig {

@@ -14,6 +14,7 @@ impl Qp {
         self.backoff = 0;
         self.retry_left = self.cfg.retry_cnt;
         self.rnr_left = self.cfg.rnr_retry;
+        self.rnr_psn = None;
         self.cc_acked();
         let outstanding = self.sq.iter().any(|w| w.done.is_none());
         self.retry_deadline = outstanding
@@ -118,11 +119,26 @@ impl Qp {
                             self.rnr_left -= 1;
                         }
                         self.rnr_until = Some(now + u64::from(rnr_delay_us(timer)) * 1000);
+                        self.rnr_psn = Some(p);
+                        // An RNR NAK is the responder answering: the ACK
+                        // timer measures silence, so it starts again with
+                        // the resend (rocev2-reference §7: rnr_retry 7 waits
+                        // for ever, however long the receiver takes).
+                        self.retry_deadline = None;
                         self.rewind(p);
                         self.deliver_done();
                     }
                     Syndrome::Nak(NakCode::PsnSequenceError) => {
                         self.stats.naks_received += 1;
+                        let acked = self.nak_acks(now, p);
+                        if !acked && self.rnr_psn == Some(p) {
+                            // The echo of an RNR NAK: the responder refused
+                            // the requests we had sent behind the one it could
+                            // not take (rxe and our responder NAK them once).
+                            // Nothing was lost, and the RNR rewind already
+                            // resends from `p`.
+                            return;
+                        }
                         // A NAK that acknowledges new packets is progress. A NAK
                         // beyond a READ/atomic still in progress moves nothing but
                         // says nothing about the oldest request either. Only a NAK
@@ -130,7 +146,7 @@ impl Qp {
                         // Selective repeat: the responder repeats its NAK while a
                         // gap lasts (a resend may be in flight), so NAKs are not
                         // retries; the timer still bounds a dead peer.
-                        if !self.nak_acks(now, p) && p == self.una && !self.cfg.selective_repeat {
+                        if !acked && p == self.una && !self.cfg.selective_repeat {
                             if self.retry_left == 0 {
                                 self.fail_front(WcStatus::RetryExceeded);
                                 return;

@@ -417,7 +417,13 @@ pub struct Qp {
     cwnd_acked: u32,
     /// `una` when the window last grew.
     cc_una: u32,
+    /// The RNR wait: nothing is sent before this instant.
     rnr_until: Option<u64>,
+    /// The PSN the last RNR NAK named, until the requester makes progress
+    /// past it. The responder answers the requests we had already sent
+    /// behind it with a sequence NAK at this PSN: that NAK is the RNR NAK's
+    /// echo, not a loss, and must not use up a retry.
+    rnr_psn: Option<u32>,
     /// Selective repeat: single PSNs to resend before anything new.
     retx: VecDeque<u32>,
     /// Selective repeat: when each PSN still unacknowledged was last resent.
@@ -512,6 +518,7 @@ impl Qp {
             cwnd_acked: 0,
             cc_una: 0,
             rnr_until: None,
+            rnr_psn: None,
             retx: VecDeque::new(),
             resent_at: HashMap::new(),
             retx_due: Vec::new(),

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::join_all;
@@ -309,6 +310,58 @@ async fn dropped_reads_leave_the_queue_whole(scheme: &str) {
         errors,
         "the target saw a refused WRITE"
     );
+}
+
+/// A dropped command keeps its queue slot until its response: the queue
+/// never has more commands outstanding than its depth (the target may end a
+/// queue that overfills), and when dropped commands hold every slot, the
+/// next command reads their responses to free one instead of waiting for
+/// ever.
+async fn dropped_commands_keep_their_slot(scheme: &str) {
+    use futures_util::FutureExt;
+    let (url, t) = start(scheme).await;
+    let depth = 2;
+    let small = InitiatorConfig {
+        queues: 1,
+        queue_depth: depth,
+        ..cfg()
+    };
+    let dev = Initiator::connect(&transports(), &url, small)
+        .await
+        .unwrap();
+    let data = pattern(12, 64 << 10);
+    dev.write(0, Bytes::from(data.clone()), false)
+        .await
+        .unwrap();
+    let errors = t.stats.protocol_errors.load(Relaxed);
+    for i in 0..32u64 {
+        // Polled once, then dropped: only `depth` of them hold a slot.
+        let _ = dev.read(i % 4 * 16, 16).now_or_never();
+        assert!(
+            dev.outstanding() <= usize::from(depth),
+            "{} commands outstanding on a queue of {depth}",
+            dev.outstanding()
+        );
+    }
+    for i in 0..8u64 {
+        let got = tokio::time::timeout(Duration::from_secs(20), dev.read(i * 16, 16))
+            .await
+            .expect("a read waited for ever behind dropped ones")
+            .unwrap();
+        let at = (i * 16 * 512) as usize;
+        assert!(got[..] == data[at..at + 8192], "read {i}");
+    }
+    assert_eq!(t.stats.protocol_errors.load(Relaxed), errors);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_commands_keep_their_slot_over_tcp() {
+    dropped_commands_keep_their_slot("tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_commands_keep_their_slot_over_soft_roce() {
+    dropped_commands_keep_their_slot("rdma").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

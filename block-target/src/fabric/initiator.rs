@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
 use rdmx_core::{Access, Connection, MemoryRegion, Options, Transports};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::nvme::command::{admin, fabrics, io, sgl, Sgl, Sqe, CQE_LEN, SQE_LEN};
 use crate::nvme::identify::{MAX_IN_CAPSULE, MAX_TRANSFER};
@@ -85,10 +85,13 @@ struct Cqe {
     status: Status,
 }
 
-/// A command waiting for its response, with the memory it lent the target.
+/// A command waiting for its response, with the memory it lent the target
+/// and its queue slot: both stay taken until the response, even when the
+/// caller drops the command (the target still runs it).
 struct Waiter {
     tx: oneshot::Sender<(Cqe, Lent)>,
     lent: Lent,
+    _slot: OwnedSemaphorePermit,
 }
 
 /// Memory a command lends the target until its response arrives.
@@ -156,7 +159,8 @@ struct QueueConn {
     /// Why the queue stopped (a failed receive or a bad response).
     closed: Mutex<Option<String>>,
     next_cid: AtomicU16,
-    slots: Semaphore,
+    /// One permit per command the queue may have outstanding (its depth).
+    slots: Arc<Semaphore>,
 }
 
 impl QueueConn {
@@ -174,7 +178,7 @@ impl QueueConn {
             receiving: tokio::sync::Mutex::new(()),
             closed: Mutex::default(),
             next_cid: AtomicU16::new(0),
-            slots: Semaphore::new(usize::from(depth)),
+            slots: Arc::new(Semaphore::new(usize::from(depth))),
         })
     }
 
@@ -223,6 +227,29 @@ impl QueueConn {
         Ok(())
     }
 
+    /// A free queue slot. Slots come back as responses are read; when no
+    /// command is reading them (every slot may belong to commands whose
+    /// callers dropped them), the command waiting for a slot reads them.
+    async fn slot(&self) -> Result<OwnedSemaphorePermit, BlockError> {
+        loop {
+            if let Some(e) = self.closed_error() {
+                return Err(e);
+            }
+            tokio::select! {
+                biased;
+                p = self.slots.clone().acquire_owned() => {
+                    return p.map_err(|_| BlockError::Protocol("queue closed".into()));
+                }
+                _turn = self.receiving.lock() => {
+                    if let Ok(p) = self.slots.clone().try_acquire_owned() {
+                        return Ok(p);
+                    }
+                    self.receive_one().await?;
+                }
+            }
+        }
+    }
+
     /// Send a capsule and wait for its response. `lent` is memory the
     /// command lets the target access: it stays registered until the
     /// response arrives, even if this future is dropped first, and comes
@@ -233,16 +260,16 @@ impl QueueConn {
         in_capsule: &[u8],
         lent: Lent,
     ) -> Result<(Cqe, Lent), BlockError> {
-        let _slot = self
-            .slots
-            .acquire()
-            .await
-            .map_err(|_| BlockError::Protocol("queue closed".into()))?;
+        let slot = self.slot().await?;
         if let Some(e) = self.closed_error() {
             return Err(e);
         }
         let (tx, mut rx) = oneshot::channel();
-        let mut waiter = Some(Waiter { tx, lent });
+        let mut waiter = Some(Waiter {
+            tx,
+            lent,
+            _slot: slot,
+        });
         let cid = loop {
             let c = self.next_cid.fetch_add(1, Relaxed);
             let mut p = self.pending.lock();
@@ -506,6 +533,13 @@ impl Initiator {
     /// I/O queues in use.
     pub fn queues(&self) -> usize {
         self.io.len()
+    }
+
+    /// I/O commands sent and not yet answered, over all queues (commands
+    /// whose callers dropped them included: the target still runs them).
+    /// Never more than `queues × queue_depth`.
+    pub fn outstanding(&self) -> usize {
+        self.io.iter().map(|q| q.pending.lock().len()).sum()
     }
 
     fn queue(&self) -> &QueueConn {

@@ -36,8 +36,8 @@ use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::verbs::{
-    CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind, QpOptions, QpPeer,
-    QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    CompletionHandler, CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind,
+    QpOptions, QpPeer, QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// Version of the RDMA bootstrap (PARAMS and control messages).
@@ -414,6 +414,15 @@ pub(crate) struct Shared {
     dead: Mutex<Option<Error>>,
     is_dead: AtomicBool,
     stop: Notify,
+    /// Held while completions are polled and handed out (keeps them in order
+    /// when a provider task and the drive task both take them).
+    dispatching: Mutex<()>,
+}
+
+impl CompletionHandler for Shared {
+    fn completions_ready(&self) {
+        self.dispatch(false);
+    }
 }
 
 /// The connection handle; dropping the last one closes the connection.
@@ -575,13 +584,20 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         dead: Mutex::new(None),
         is_dead: AtomicBool::new(false),
         stop: Notify::new(),
+        dispatching: Mutex::new(()),
     });
+    // An in-process provider (soft RoCE) hands completions over in the task
+    // that produced them; a NIC's, or a busy-polling waiter's, come through
+    // the drive task.
+    let weak = Arc::downgrade(&sh);
+    let handler: std::sync::Weak<dyn CompletionHandler> = weak;
+    let inline = busy_poll.is_none() && cq.set_handler(handler);
     let waiter = CqWaiter::new(cq)?.with_busy_poll(busy_poll);
     let span = info_span!("rdma_conn", peer = %peer_addr, qpn = mine.qpn, server);
     let (msg_tx, msg_rx) = mpsc::unbounded_channel();
     tokio::spawn(ctl_reader(rd, msg_tx).instrument(span.clone()));
     tokio::spawn(ctl_writer(wr, ctl_rx).instrument(span.clone()));
-    tokio::spawn(drive(sh.clone(), waiter, msg_rx).instrument(span));
+    tokio::spawn(drive(sh.clone(), waiter, inline, msg_rx).instrument(span));
     debug!(
         qpn = mine.qpn,
         peer_qpn = peer.qpn,
@@ -643,15 +659,28 @@ async fn ctl_writer(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Ctl>
     }
 }
 
+/// The connection's own task: completions (unless the provider hands them
+/// over itself, `inline`: then only those the provider's tasks did not
+/// produce) and control messages.
 async fn drive(
     sh: Arc<Shared>,
     mut waiter: CqWaiter,
+    inline: bool,
     mut ctl: mpsc::UnboundedReceiver<std::io::Result<Ctl>>,
 ) {
     let mut wcs = Vec::with_capacity(64);
     loop {
+        let cq = &sh.cq;
+        let pending = std::future::poll_fn(|cx| {
+            if cq.register_waker(cx.waker()) && cq.req_notify().is_ok() && cq.pending() == Some(0) {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        });
         tokio::select! {
-            r = waiter.next(&mut wcs, 64) => {
+            _ = pending, if inline => sh.dispatch(true),
+            r = waiter.next(&mut wcs, 64), if !inline => {
                 if let Err(e) = r {
                     sh.die(e);
                     return;
@@ -934,10 +963,38 @@ impl Shared {
 
     /// Collect completions already queued (flushes of the old QP) before settling.
     fn drain_cq(&self) {
+        let _turn = self.dispatching.lock();
         let mut wcs = Vec::new();
         while self.cq.poll(&mut wcs, 256) > 0 {
             for wc in wcs.drain(..) {
                 self.on_completion(wc);
+            }
+        }
+    }
+
+    /// Take every completion waiting, in order: one caller at a time polls
+    /// and hands out; a caller that finds another doing it leaves them to it
+    /// (which looks again once done, so none is left behind), or with
+    /// `wait`, waits for its turn (the drive task: it would only come back).
+    fn dispatch(&self, wait: bool) {
+        let mut wcs = Vec::with_capacity(64);
+        loop {
+            let turn = if wait {
+                self.dispatching.lock()
+            } else {
+                match self.dispatching.try_lock() {
+                    Some(t) => t,
+                    None => return,
+                }
+            };
+            while self.cq.poll(&mut wcs, 64) > 0 {
+                for wc in wcs.drain(..) {
+                    self.on_completion(wc);
+                }
+            }
+            drop(turn);
+            if self.cq.pending().unwrap_or(0) == 0 {
+                return;
             }
         }
     }

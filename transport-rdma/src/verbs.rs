@@ -379,8 +379,31 @@ pub trait CompletionQueue: Send + Sync + 'static {
     fn register_waker(&self, _waker: &std::task::Waker) -> bool {
         false
     }
+    /// In-process providers may hand completions over where they produce
+    /// them: after adding completions from a task of their own (a packet
+    /// received, a timer), with none of their locks held, they call
+    /// `handler` instead of waking the waiter, which saves a task hop per
+    /// completion. Completions added from other contexts (an application's
+    /// post) still wake the waiter. Returns false if the provider cannot
+    /// (NICs, the default): use [`CqWaiter`].
+    fn set_handler(&self, _handler: std::sync::Weak<dyn CompletionHandler>) -> bool {
+        false
+    }
+    /// Completions waiting, if the provider can tell without taking them
+    /// (`None`: it cannot, as with a NIC).
+    fn pending(&self) -> Option<usize> {
+        None
+    }
     /// For providers to recover their concrete CQ type.
     fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
+}
+
+/// Takes completions where the provider produces them (see
+/// [`CompletionQueue::set_handler`]).
+pub trait CompletionHandler: Send + Sync + 'static {
+    /// Completions wait in the queue: poll them now. Called from the
+    /// provider's own task with none of the provider's locks held.
+    fn completions_ready(&self);
 }
 
 /// QP state as the provider reports it.

@@ -6,11 +6,12 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Weak;
 
 use parking_lot::Mutex;
 use rdmx_core::{Error, Result};
 
-use crate::verbs::{CompletionQueue, WorkCompletion};
+use crate::verbs::{CompletionHandler, CompletionQueue, WorkCompletion};
 
 /// A completion queue of the soft provider.
 #[derive(Debug)]
@@ -19,6 +20,11 @@ pub(crate) struct SoftCq {
     armed: AtomicBool,
     /// Woken instead of the fd when a waiter registered one.
     waker: Mutex<Option<std::task::Waker>>,
+    /// Runs completions added by the device's own tasks (see
+    /// [`SoftCq::push`] and [`SoftCq::run_handler`]).
+    handler: Mutex<Option<Weak<dyn CompletionHandler>>>,
+    /// Completions were added for the handler to take.
+    handler_due: AtomicBool,
     /// Written when an armed CQ gets a completion.
     notify: UnixDatagram,
     /// The event fd handed out.
@@ -37,13 +43,22 @@ impl SoftCq {
             queue: Mutex::new(VecDeque::new()),
             armed: AtomicBool::new(false),
             waker: Mutex::new(None),
+            handler: Mutex::new(None),
+            handler_due: AtomicBool::new(false),
             notify,
             events,
         })
     }
 
-    /// Add completions; signal the event fd if the CQ was armed.
-    pub(crate) fn push(&self, wcs: impl IntoIterator<Item = WorkCompletion>) {
+    /// Add completions; signal the event fd if the CQ was armed. With
+    /// `handler_follows`, the caller promises to call [`SoftCq::run_handler`]
+    /// once it holds no lock: if a handler is set, it takes them then, and
+    /// the waiter is not woken.
+    pub(crate) fn push(
+        &self,
+        wcs: impl IntoIterator<Item = WorkCompletion>,
+        handler_follows: bool,
+    ) {
         let mut n = 0;
         {
             let mut q = self.queue.lock();
@@ -52,6 +67,27 @@ impl SoftCq {
                 n += 1;
             }
         }
+        if n > 0 && handler_follows && self.handler.lock().is_some() {
+            self.handler_due.store(true, Ordering::Release);
+            return;
+        }
+        self.wake(n);
+    }
+
+    /// Hand completions added with `handler_follows` to the handler (or, if
+    /// it is gone, to the waiter).
+    pub(crate) fn run_handler(&self) {
+        if !self.handler_due.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let h = self.handler.lock().as_ref().and_then(Weak::upgrade);
+        match h {
+            Some(h) => h.completions_ready(),
+            None => self.wake(1),
+        }
+    }
+
+    fn wake(&self, n: usize) {
         if n > 0 && self.armed.swap(false, Ordering::AcqRel) {
             match self.waker.lock().take() {
                 Some(w) => w.wake(),
@@ -95,6 +131,15 @@ impl CompletionQueue for SoftCq {
         true
     }
 
+    fn set_handler(&self, handler: Weak<dyn CompletionHandler>) -> bool {
+        *self.handler.lock() = Some(handler);
+        true
+    }
+
+    fn pending(&self) -> Option<usize> {
+        Some(self.queue.lock().len())
+    }
+
     fn as_any(self: std::sync::Arc<Self>) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {
         self
     }
@@ -119,6 +164,47 @@ mod tests {
         }
     }
 
+    struct Count(std::sync::atomic::AtomicUsize, Arc<SoftCq>);
+    impl CompletionHandler for Count {
+        fn completions_ready(&self) {
+            let mut got = Vec::new();
+            self.1.poll(&mut got, 64);
+            self.0.fetch_add(got.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Completions a device task adds go to the handler when it runs it, not
+    /// to the waiter; those added elsewhere wake the waiter; once the handler
+    /// is gone, the device task's wake the waiter too.
+    #[tokio::test]
+    async fn device_completions_go_to_the_handler() {
+        let cq = Arc::new(SoftCq::new().unwrap());
+        let h = Arc::new(Count(Default::default(), cq.clone()));
+        let weak = Arc::downgrade(&h);
+        assert!(cq.set_handler(weak));
+        let mut w = CqWaiter::new(cq.clone()).unwrap();
+        // Armed, as a waiting task leaves it.
+        cq.req_notify().unwrap();
+        cq.push([wc(1), wc(2)], true);
+        assert_eq!(cq.pending(), Some(2));
+        assert!(cq.armed.load(Ordering::Acquire), "the waiter was woken");
+        cq.run_handler();
+        assert_eq!((h.0.load(Ordering::Relaxed), cq.pending()), (2, Some(0)));
+        // From an application's post: the waiter's.
+        cq.push([wc(3)], false);
+        let mut got = Vec::new();
+        w.next(&mut got, 8).await.unwrap();
+        assert_eq!(got[0].wr_id, 3);
+        // The handler dropped: nothing is lost.
+        drop(h);
+        cq.req_notify().unwrap();
+        cq.push([wc(4)], true);
+        cq.run_handler();
+        got.clear();
+        w.next(&mut got, 8).await.unwrap();
+        assert_eq!(got[0].wr_id, 4);
+    }
+
     /// Completions pushed from another thread, before and after arming, are
     /// all seen by a waiter on the event fd, in order, none twice.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,7 +215,7 @@ mod tests {
             let cq = cq.clone();
             std::thread::spawn(move || {
                 for i in 0..20_000u64 {
-                    cq.push([wc(i)]);
+                    cq.push([wc(i)], false);
                     if i % 1000 == 0 {
                         std::thread::sleep(std::time::Duration::from_millis(1));
                     }

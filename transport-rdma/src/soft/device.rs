@@ -36,6 +36,7 @@ use rdmx_roce_proto::pcap::CaptureWriter;
 use rdmx_roce_proto::{
     Completion, FramePath, Packet, Qp, QpConfig, QpStats, RoceFrame, WorkRequest,
 };
+use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::sync::Notify;
@@ -281,7 +282,10 @@ fn bind_rx(cfg: &SoftConfig) -> io::Result<Vec<std::net::UdpSocket>> {
 
 /// One receive queue.
 struct RxQueue {
-    sock: UdpSocket,
+    /// An `AsyncFd`, not a tokio `UdpSocket`: the receive loop clears
+    /// readiness itself when a batch comes back short, instead of asking the
+    /// kernel once more only to hear "would block".
+    sock: AsyncFd<std::net::UdpSocket>,
     state: UdpSocketState,
 }
 
@@ -313,7 +317,7 @@ impl SoftRoce {
             for s in std_rx {
                 let state = UdpSocketState::new((&s).into()).map_err(e)?;
                 let _ = state.set_recv_buffer_size((&s).into(), cfg.recv_buffer);
-                let sock = UdpSocket::from_std(s).map_err(e)?;
+                let sock = crate::sys::register_udp(s).map_err(e)?;
                 rx.push(RxQueue { sock, state });
             }
         }
@@ -849,6 +853,18 @@ impl SoftQp {
     /// Move the engine forward: send what it has (in order, under the lock),
     /// hand completions to the CQ, re-arm the timer.
     fn pump(self: &Arc<Self>) {
+        self.pump_for(false);
+    }
+
+    /// [`SoftQp::pump`] from the device's own tasks (packets received,
+    /// timers), which hold no lock of the connection's: the connection takes
+    /// its completions right here instead of in a task of its own.
+    fn pump_inline(self: &Arc<Self>) {
+        self.pump_for(true);
+        self.cq.run_handler();
+    }
+
+    fn pump_for(self: &Arc<Self>, handler_follows: bool) {
         let mut g = self.inner.lock();
         let inner = &mut *g;
         let mut wcs = Vec::new();
@@ -859,7 +875,7 @@ impl SoftQp {
         // sees our ACK may act on it (even close) before we would otherwise
         // have published the receive it acknowledges.
         if !wcs.is_empty() {
-            self.cq.push(wcs);
+            self.cq.push(wcs, handler_follows);
         }
         // Counters too: a peer that sees our response may read them (remote
         // operations served); what transmitting counts (retransmits) follows.
@@ -1094,7 +1110,7 @@ impl SoftQp {
 
     fn on_timer(self: &Arc<Self>, now: u64) {
         self.inner.lock().qp.handle_timeout(now);
-        self.pump();
+        self.pump_inline();
     }
 
     /// Feed one verified packet to the engine (the caller pumps afterwards).
@@ -1309,20 +1325,22 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
     let mut solver = Ipv4IdSolver::new();
     let mut touched: Vec<Arc<SoftQp>> = Vec::new();
     loop {
-        if rx.sock.readable().await.is_err() {
+        let Ok(mut ready) = rx.sock.readable().await else {
             return;
-        }
+        };
         loop {
             let r = {
                 let mut iovs: Vec<IoSliceMut<'_>> =
                     bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
-                rx.sock.try_io(Interest::READABLE, || {
-                    rx.state.recv((&rx.sock).into(), &mut iovs, &mut metas)
-                })
+                rx.state
+                    .recv(rx.sock.get_ref().into(), &mut iovs, &mut metas)
             };
             let n = match r {
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready.clear_ready();
+                    break;
+                }
                 Err(e) => {
                     debug!("soft RoCE receive: {e}");
                     break;
@@ -1336,7 +1354,15 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
                 }
             }
             for qp in touched.drain(..) {
-                qp.pump();
+                qp.pump_inline();
+            }
+            if n < RX_BATCH {
+                // A short batch emptied the socket. Readiness is cleared
+                // only if no datagram was reported since `readable`
+                // returned (tokio compares the event's tick), so none waits
+                // unseen.
+                ready.clear_ready();
+                break;
             }
         }
     }

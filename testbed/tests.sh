@@ -32,7 +32,9 @@
 #   nbd              the kernel's NBD client (nbd-client) in a guest against
 #                    `rdmx block nbd` on the host, whose namespace is reached
 #                    by NVMe over rdmx on soft RoCE: O_DIRECT data, ext4 with
-#                    checksummed files, fsck clean
+#                    checksummed files, fsck clean; then the same with the
+#                    export in the guest, its Initiator on rxe (NIC provider)
+#                    and the target on the host
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
 #                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
 #                    one; perftest with RNR NAKs; rc_pingpong and sends with
@@ -512,7 +514,23 @@ t_nbd() {
   grep "^rdmx block nbd" "$OUT/nbd.export"
   grep '^###' "$OUT/nbd.guest"
   # the export reached its namespace over soft RoCE, not a fallback
-  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nbd.guest" && grep -q '(rdma, ' "$OUT/nbd.export"
+  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nbd.guest" && grep -q '(rdma, ' "$OUT/nbd.export" ||
+    return 1
+  # The Initiator on rxe: the export runs in the guest, its NVMe over rdmx
+  # connection goes through the NIC provider (rxe0, real libibverbs) to the
+  # target's soft engine on the host, which pulls write data with READs and
+  # pushes read data with WRITEs into the guest's registered buffers.
+  bytes=$((64 << 20))
+  net_up
+  bg "$RDMX" block serve --ram 64m --rdmx rdma://198.18.0.1:4430 > "$OUT/nbd-rxe.target" 2>&1
+  wait_tcp 198.18.0.1 4430 10 || { cleanup; return 1; }
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe nbd --timeout 900 -- \
+    "$HERE/nbd-initiator-guest.sh" "$RDMX" rdma://198.18.0.1:4430 "$bytes" > "$OUT/nbd-rxe.guest" 2>&1
+  rc=$?
+  cleanup
+  grep -E '^###|^export: rdmx block nbd: [0-9]' "$OUT/nbd-rxe.guest"
+  ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nbd-rxe.guest" &&
+    grep -q '^export: rdmx block nbd: .*(rdma, rxe0' "$OUT/nbd-rxe.guest"
 }
 
 ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp nbd captures"

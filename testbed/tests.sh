@@ -34,7 +34,8 @@
 #                    by NVMe over rdmx on soft RoCE: O_DIRECT data, ext4 with
 #                    checksummed files, fsck clean; then the same with the
 #                    export in the guest, its Initiator on rxe (NIC provider)
-#                    and the target on the host
+#                    and the target on the host; and with the target on rxe in
+#                    the guest (nbdcopy and fio's verify through the export)
 #   captures         captures of rxe<->rxe (perftest, ibverbs-utils and rdmx on
 #                    both ends, a lossy run) and soft<->rxe (rdmx soaks, a lossy
 #                    one; perftest with RNR NAKs; rc_pingpong and sends with
@@ -530,7 +531,43 @@ t_nbd() {
   cleanup
   grep -E '^###|^export: rdmx block nbd: [0-9]' "$OUT/nbd-rxe.guest"
   ((rc == 0)) && grep -q '^### all checks passed' "$OUT/nbd-rxe.guest" &&
-    grep -q '^export: rdmx block nbd: .*(rdma, rxe0' "$OUT/nbd-rxe.guest"
+    grep -q '^export: rdmx block nbd: .*(rdma, rxe0' "$OUT/nbd-rxe.guest" || return 1
+  # The target on rxe: it serves in the guest through the NIC provider, so
+  # its READs and WRITEs into the Initiator's buffers are rxe's; the export
+  # and userspace NBD clients (nbdcopy, fio's nbd engine) run on the host.
+  net_up
+  mkdir -p "$OUT/flag.nbd-target"
+  rm -f "$OUT/flag.nbd-target/done"
+  guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 900 --rw "$OUT/flag.nbd-target" -c \
+    "($RDMX block serve --ram 64m --rdmx rdma://198.18.0.2:4430 &) ;
+     while [ ! -e $OUT/flag.nbd-target/done ]; do sleep 0.2; done" > "$OUT/nbd-target-rxe.guest" 2>&1 &
+  local g=$! fails=0
+  if wait_tcp 198.18.0.2 4430 120; then
+    bg env RDMX_RDMA_PROVIDER=soft "$RDMX" block nbd --listen 198.18.0.1:10810 \
+      --target rdma://198.18.0.2:4430 > "$OUT/nbd-target-rxe.export" 2>&1
+    wait_tcp 198.18.0.1 10810 60 || fails=1
+    head -c 16M /dev/urandom > "$OUT/nbd-target-rxe.bin"
+    local uri=nbd://198.18.0.1:10810/rdmx
+    ns nbdcopy "$OUT/nbd-target-rxe.bin" "$uri" || fails=1
+    [[ $(ns nbdcopy "$uri" - | head -c 16M | sha256sum) == "$(sha256sum < "$OUT/nbd-target-rxe.bin")" ]] ||
+      { echo "nbdcopy: 16 MiB read back differ"; fails=1; }
+    ns fio --name=verify --ioengine=nbd --uri="$uri" --rw=randwrite --bs=4k --size=8m --offset=32m \
+      --iodepth=16 --verify=crc32c --verify_fatal=1 --output-format=terse > "$OUT/nbd-target-rxe.fio" 2>&1 ||
+      { tail -5 "$OUT/nbd-target-rxe.fio"; fails=1; }
+    # terse field 6: KiB read, by the verify pass
+    [[ $(grep -v '^fio:' "$OUT/nbd-target-rxe.fio" | cut -d';' -f6) == 8192 ]] ||
+      { echo "fio read back $(grep -v '^fio:' "$OUT/nbd-target-rxe.fio" | cut -d';' -f6) KiB, not 8192"; fails=1; }
+    echo "target on rxe: nbdcopy 16 MiB written and read back, fio randwrite 8 MiB verified (crc32c): $( ((fails == 0)) && echo ok || echo FAILED)"
+  else
+    fails=1
+  fi
+  touch "$OUT/flag.nbd-target/done"
+  wait "$g"
+  cleanup
+  grep "^rdmx block nbd: [0-9]" "$OUT/nbd-target-rxe.export"
+  # go-back-N: the peer is the NIC provider (a soft engine would have agreed
+  # to selective repeat)
+  ((fails == 0)) && grep -q '(rdma, soft-roce.*go-back-N' "$OUT/nbd-target-rxe.export"
 }
 
 ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp nbd captures"

@@ -174,6 +174,16 @@ if need redis-server && need redis-benchmark && need memcached; then
             --get-percent $mix --path $path --duration-ms $KVDUR --no-load --json
         done
       done
+      if [ "$value" = 100 ]; then
+        # The target row (100 B, 100% GET): three more rounds, the two paths
+        # interleaved, for a median and its spread.
+        for round in 1 2 3; do
+          for path in one-sided rpc; do
+            run kv_bench_${scheme}_100_100_${path}_r$round $RDMX kv bench --nodes $NODES --keys $KVKEYS --value 100 \
+              --get-percent 100 --path $path --duration-ms $KVDUR --no-load --json
+          done
+        done
+      fi
     done
     kill $N1 $N2 2>/dev/null || true
     wait $N1 $N2 $G 2>/dev/null || true

@@ -62,6 +62,10 @@ enum BlockCmd {
         /// Serve Prometheus metrics (GET /metrics) on this address.
         #[arg(long)]
         metrics: Option<String>,
+        /// Spin this long on an idle NVMe over rdmx connection before sleeping (busy
+        /// polling: lower latency for CPU; unset: sleep at once).
+        #[arg(long)]
+        busy_poll_us: Option<u64>,
     },
     /// Measure a remote namespace through the native Initiator (NVMe over
     /// rdmx): IOPS, MB/s and latency percentiles at a queue depth.
@@ -92,6 +96,10 @@ enum BlockCmd {
         /// NVMe I/O queues (one connection each).
         #[arg(long, default_value_t = 2)]
         queues: u16,
+        /// Spin this long on an idle connection before sleeping (busy
+        /// polling: lower latency for CPU; unset: sleep at once).
+        #[arg(long)]
+        busy_poll_us: Option<u64>,
         /// One JSON object instead of a line of text.
         #[arg(long)]
         json: bool,
@@ -121,6 +129,10 @@ enum BlockCmd {
         /// NVMe I/O queues to the target (one connection each).
         #[arg(long, default_value_t = 2)]
         queues: u16,
+        /// Spin this long on an idle connection before sleeping (busy
+        /// polling: lower latency for CPU; unset: sleep at once).
+        #[arg(long)]
+        busy_poll_us: Option<u64>,
     },
 }
 
@@ -135,6 +147,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             duration_ms,
             span,
             queues,
+            busy_poll_us,
             json,
         } => {
             bench(BenchArgs {
@@ -146,6 +159,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
                 duration: std::time::Duration::from_millis(duration_ms),
                 span: span.as_deref().map(parse_size).transpose()?,
                 queues,
+                busy_poll: busy_poll_us.map(std::time::Duration::from_micros),
                 json,
             })
             .await
@@ -157,12 +171,17 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             nsid,
             export,
             queues,
+            busy_poll_us,
         } => {
             use rdmx_block::fabric::{BlockError, Initiator, InitiatorConfig};
             let cfg = InitiatorConfig {
                 nqn,
                 nsid,
                 queues,
+                options: rdmx_core::Options {
+                    busy_poll: busy_poll_us.map(std::time::Duration::from_micros),
+                    ..rdmx_core::Options::default()
+                },
                 ..InitiatorConfig::default()
             };
             let dev = Initiator::connect(&crate::perf::transports(), &target, cfg)
@@ -203,6 +222,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             nqn,
             block_size,
             metrics,
+            busy_poll_us,
         } => {
             if ram.is_empty() && file.is_empty() {
                 return Err(Error::InvalidArgument(
@@ -264,9 +284,11 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
                 tokio::spawn(rdmx_block::tcp::serve(dl, target.clone(), false));
             }
             if let Some(url) = rdmx {
-                let rl = crate::perf::transports()
-                    .listen(&url, &rdmx_core::Options::default())
-                    .await?;
+                let opts = rdmx_core::Options {
+                    busy_poll: busy_poll_us.map(std::time::Duration::from_micros),
+                    ..rdmx_core::Options::default()
+                };
+                let rl = crate::perf::transports().listen(&url, &opts).await?;
                 eprintln!(
                     "rdmx block: NVMe over rdmx on {}://{}{}",
                     rl.transport(),
@@ -292,6 +314,7 @@ struct BenchArgs {
     duration: std::time::Duration,
     span: Option<u64>,
     queues: u16,
+    busy_poll: Option<std::time::Duration>,
     json: bool,
 }
 
@@ -306,6 +329,10 @@ async fn bench(a: BenchArgs) -> Result<(), Error> {
         nqn: a.nqn.clone(),
         queues: a.queues,
         queue_depth: 128,
+        options: rdmx_core::Options {
+            busy_poll: a.busy_poll,
+            ..rdmx_core::Options::default()
+        },
         ..InitiatorConfig::default()
     };
     let dev = Initiator::connect(&crate::perf::transports(), &a.target, cfg)

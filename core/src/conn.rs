@@ -141,6 +141,18 @@ pub trait RawConnection: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'static, Result<()>>;
 }
 
+/// A write must fill its remote range exactly.
+fn check_write_len(data: &Bytes, dst: &RemoteRegion) -> Result<()> {
+    if data.len() as u64 != dst.len {
+        return Err(Error::InvalidArgument(format!(
+            "write of {} bytes to a {}-byte remote range",
+            data.len(),
+            dst.len
+        )));
+    }
+    Ok(())
+}
+
 /// Default deadline for one operation.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -462,15 +474,8 @@ impl Connection {
     }
 
     fn write_inner(&self, data: Bytes, dst: RemoteRegion, imm: Option<u32>) -> Op<()> {
-        if data.len() as u64 != dst.len {
-            return self.failed(
-                OpKind::Write,
-                Error::InvalidArgument(format!(
-                    "write of {} bytes to a {}-byte remote range",
-                    data.len(),
-                    dst.len
-                )),
-            );
+        if let Err(e) = check_write_len(&data, &dst) {
+            return self.failed(OpKind::Write, e);
         }
         self.op(OpKind::Write, dst.len, self.raw.write(dst, data, imm))
     }
@@ -492,15 +497,8 @@ impl Connection {
         msg: impl Into<Bytes>,
     ) -> Op<()> {
         let (data, msg) = (data.into(), msg.into());
-        if data.len() as u64 != dst.len {
-            return self.failed(
-                OpKind::WriteThenSend,
-                Error::InvalidArgument(format!(
-                    "write of {} bytes to a {}-byte remote range",
-                    data.len(),
-                    dst.len
-                )),
-            );
+        if let Err(e) = check_write_len(&data, &dst) {
+            return self.failed(OpKind::WriteThenSend, e);
         }
         let bytes = dst.len + msg.len() as u64;
         self.op(

@@ -187,18 +187,24 @@ async fn command(
     if !c.status.is_success() || c.data.is_empty() {
         return (c, None);
     }
-    if !matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE) {
+    let Some(remote) = keyed_region(sqe) else {
         return (Completion::error(Status::SGL_TYPE_INVALID), None);
-    }
-    let remote = RemoteRegion {
-        addr: sqe.sgl.addr,
-        len: u64::from(sqe.sgl.len),
-        rkey: sqe.sgl.key,
     };
     let n = c.data.len().min(remote.len as usize);
     let out = c.data.slice(..n);
     c.data = Bytes::new();
     (c, Some((out, remote.slice(0, n as u64).expect("in range"))))
+}
+
+/// The host's memory a Keyed SGL Data Block descriptor names (NVMe Base
+/// specification, SGL descriptors: address, 24-bit length, key), or `None`
+/// for another descriptor type.
+fn keyed_region(sqe: &Sqe) -> Option<RemoteRegion> {
+    matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE).then_some(RemoteRegion {
+        addr: sqe.sgl.addr,
+        len: u64::from(sqe.sgl.len),
+        rkey: sqe.sgl.key,
+    })
 }
 
 /// Pull a command's data (in the capsule, or by one-sided READ) and run it.
@@ -209,12 +215,8 @@ async fn gather_and_execute(
     sqe: &Sqe,
     in_cap: Bytes,
 ) -> Completion {
-    let keyed = matches!(sqe.sgl.id, sgl::KEYED_ADDRESS | sgl::KEYED_INVALIDATE);
-    let remote = RemoteRegion {
-        addr: sqe.sgl.addr,
-        len: u64::from(sqe.sgl.len),
-        rkey: sqe.sgl.key,
-    };
+    let remote = keyed_region(sqe);
+    let keyed = remote.is_some();
     let fail = Completion::error;
     if sqe.sgl.len > MAX_TRANSFER {
         return fail(Status::INVALID_FIELD);
@@ -225,9 +227,9 @@ async fn gather_and_execute(
             Err(s) => return fail(s),
         },
         _ if !in_cap.is_empty() => return fail(Status::SGL_OFFSET_INVALID),
-        (Direction::HostToController, _) if keyed && remote.len > 0 => {
+        (Direction::HostToController, _) if remote.is_some_and(|r| r.len > 0) => {
             // Pull the host's data with a one-sided READ.
-            match conn.read(remote).await {
+            match conn.read(remote.expect("keyed")).await {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::info!(error = %e, cid = sqe.cid, "READ of the host's data failed");

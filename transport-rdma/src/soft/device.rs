@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::timer::TimerTarget;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit, UdpSocketState};
@@ -166,7 +167,7 @@ pub(crate) struct Device {
     next_qpn: AtomicU32,
     epoch: Instant,
     timer: Notify,
-    timer_target: AtomicU64,
+    timer_target: TimerTarget,
     counters: Counters,
     capture: Mutex<Option<Capture>>,
     capturing: std::sync::atomic::AtomicBool,
@@ -331,7 +332,7 @@ impl SoftRoce {
             next_qpn: AtomicU32::new(first_qpn),
             epoch: Instant::now(),
             timer: Notify::new(),
-            timer_target: AtomicU64::new(u64::MAX),
+            timer_target: TimerTarget::new(),
             counters: Counters::default(),
             capture: Mutex::new(None),
             capturing: std::sync::atomic::AtomicBool::new(false),
@@ -844,8 +845,9 @@ fn try_send(tx: &Tx, t: &Transmit<'_>) -> io::Result<()> {
 impl SoftQp {
     fn update_deadline(&self, inner: &Inner) {
         let d = inner.qp.poll_timeout().unwrap_or(u64::MAX);
-        self.deadline.store(d, Ordering::Release);
-        if d < self.dev.timer_target.load(Ordering::Acquire) {
+        // SeqCst: the timer task's scan and `TimerTarget` rely on one order.
+        self.deadline.store(d, Ordering::SeqCst);
+        if self.dev.timer_target.lower(d) {
             self.dev.timer.notify_one();
         }
     }
@@ -1430,16 +1432,19 @@ fn handle_datagram(
 /// Timer loop: ACK timeouts, RNR waits and DCQCN pacing of every QP.
 async fn timer_loop(d: Arc<Device>) {
     loop {
+        // Reset before the scan, so that a deadline it misses wakes us
+        // (soft/timer.rs).
+        d.timer_target.begin_scan();
         let now = d.now();
         let qps: Vec<Arc<SoftQp>> = d.qps.read().values().cloned().collect();
         let mut next = u64::MAX;
         for qp in qps {
-            if qp.deadline.load(Ordering::Acquire) <= now {
+            if qp.deadline.load(Ordering::SeqCst) <= now {
                 qp.on_timer(now);
             }
-            next = next.min(qp.deadline.load(Ordering::Acquire));
+            next = next.min(qp.deadline.load(Ordering::SeqCst));
         }
-        d.timer_target.store(next, Ordering::Release);
+        let next = d.timer_target.end_scan(next);
         let sleep = (next != u64::MAX).then(|| d.epoch + Duration::from_nanos(next));
         let wait = async {
             match sleep {

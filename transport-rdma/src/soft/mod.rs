@@ -2,5 +2,6 @@
 
 mod cq;
 mod device;
+mod timer;
 
 pub use device::{DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};

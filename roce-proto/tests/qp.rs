@@ -620,6 +620,40 @@ proptest! {
     }
 }
 
+/// A responder whose application destroys the QP (ERROR) right after taking
+/// a message, before the coalesced ACK for it left, still acknowledges it:
+/// the requester completes instead of retrying into a dead QP (an
+/// ibv_rc_pingpong peer otherwise waits for its last send for ever).
+#[test]
+fn entering_error_still_acknowledges_what_was_received() {
+    let mut sim = Sim::new(QpConfig::default(), QpConfig::default(), Link::default(), 5);
+    sim.b.post_recv(9, 100).unwrap();
+    sim.a
+        .post_send(
+            1,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"last echo"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    let req = sim.a.poll_transmit(0).expect("the send");
+    assert!(sim.a.poll_transmit(0).is_none());
+    sim.b.handle_packet(0, &req, false, &mut sim.mem_b);
+    let got = sim.b.poll_completion().expect("the receive");
+    assert_eq!((got.wr_id, &got.data[..]), (9, &b"last echo"[..]));
+    assert!(sim.b.ack_pending(), "the ACK waits to be coalesced");
+    sim.b.enter_error();
+    let ack = sim.b.poll_transmit(0).expect("the ACK leaves in ERROR");
+    assert_eq!(ack.bth.opcode, rdmx_roce_proto::Opcode::ACKNOWLEDGE);
+    assert_eq!(ack.bth.psn, req.bth.psn);
+    assert!(sim.b.poll_transmit(0).is_none(), "and nothing else");
+    sim.a.handle_packet(1, &ack, false, &mut sim.mem_a);
+    let done = sim.a.poll_completion().expect("the send completes");
+    assert_eq!((done.wr_id, done.status), (1, WcStatus::Success));
+}
+
 #[test]
 fn rnr_nak_waits_for_a_receive() {
     let mut sim = Sim::new(

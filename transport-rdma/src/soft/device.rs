@@ -526,7 +526,6 @@ impl ProtectionDomain for SoftPd {
             deadline: AtomicU64::new(u64::MAX),
             sink: Mutex::new(None),
             pump_due: AtomicBool::new(false),
-            ack_delayed: AtomicBool::new(false),
         });
         dev.qps.write().insert(qpn, qp.clone());
         Ok(Arc::new(SoftQpHandle(qp)))
@@ -573,9 +572,6 @@ pub(crate) struct SoftQp {
     /// A pump is scheduled for the end of this scheduler tick
     /// ([`SoftQp::pump_soon`]).
     pump_due: AtomicBool,
-    /// An ACK waits for the application's answer ([`SoftQp::pump_inline`]):
-    /// the next request posted goes out at once, taking the ACK with it.
-    ack_delayed: AtomicBool,
 }
 
 /// Responder access to the domain's regions (the engine's memory trait).
@@ -865,34 +861,18 @@ impl SoftQp {
     /// [`SoftQp::pump`] from the device's own tasks (packets received,
     /// timers), which hold no lock of the connection's: the connection takes
     /// its completions right here instead of in a task of its own.
-    ///
-    /// When a message arrived and all there is to send is its ACK, the ACK
-    /// waits for the end of the scheduler tick (TCP delays an ACK too): the
-    /// application the message wakes usually answers at once, and its answer
-    /// then leaves first with the ACK behind it, instead of waiting for the
-    /// ACK's system call.
     fn pump_inline(self: &Arc<Self>) {
-        let delayed = self.pump_for(true);
+        self.pump_for(true);
         self.cq.run_handler();
-        if delayed {
-            self.pump_soon();
-        }
     }
 
-    /// Returns whether an ACK was left for later (see `pump_inline`).
-    fn pump_for(self: &Arc<Self>, handler_follows: bool) -> bool {
+    fn pump_for(self: &Arc<Self>, handler_follows: bool) {
         let mut g = self.inner.lock();
         let inner = &mut *g;
         let mut wcs = Vec::new();
         while let Some(c) = inner.qp.poll_completion() {
             wcs.push(work_completion(self.qpn, c));
         }
-        let delay_ack = handler_follows
-            && inner.qp.ack_pending()
-            && inner.backlog.is_empty()
-            && wcs
-                .iter()
-                .any(|w| w.opcode == WcOpcode::Recv && w.status == WcStatus::Success);
         // Completions before the packets that acknowledge them: a peer that
         // sees our ACK may act on it (even close) before we would otherwise
         // have published the receive it acknowledges.
@@ -902,18 +882,11 @@ impl SoftQp {
         // Counters too: a peer that sees our response may read them (remote
         // operations served); what transmitting counts (retransmits) follows.
         self.count(inner.qp.stats());
-        if delay_ack {
-            self.ack_delayed.store(true, Ordering::Release);
-            self.update_deadline(inner);
-            return true;
-        }
-        self.ack_delayed.store(false, Ordering::Release);
         if inner.backlog.is_empty() {
             self.transmit(inner);
         }
         self.update_deadline(inner);
         self.count(inner.qp.stats());
-        false
     }
 
     /// Pump once the scheduler tick's other ready tasks have run: a work
@@ -1291,7 +1264,7 @@ impl QueuePair for SoftQpHandle {
         };
         // A lone request goes out at once; one posted behind others joins
         // the batch of this scheduler tick.
-        if others_outstanding && !self.0.ack_delayed.load(Ordering::Acquire) {
+        if others_outstanding {
             self.0.pump_soon();
         } else {
             self.0.pump();

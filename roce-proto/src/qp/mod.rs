@@ -736,33 +736,23 @@ impl Qp {
         if self.state == QpState::Error {
             return None;
         }
-        // A coalesced ACK goes after the requests ready now: it only has to
-        // arrive within the peer's timer, and a request (most often the
-        // answer to the message it acknowledges) should not queue behind it.
-        let p = match self.next_request_if_rts(now) {
-            Some(p) => p,
-            None => {
-                let psn = self.pending_ack.take()?;
-                self.stats.packets_sent += 1;
-                return Some(self.ack_packet(psn, 0x1F));
-            }
-        };
+        if let Some(psn) = self.pending_ack.take() {
+            self.stats.packets_sent += 1;
+            return Some(self.ack_packet(psn, 0x1F));
+        }
+        if self.state != QpState::Rts {
+            return None;
+        }
+        let p = self.next_request(now)?;
         self.stats.packets_sent += 1;
         if self.retry_deadline.is_none() {
             self.retry_deadline = self.rto_ns().map(|t| now + t);
         }
         Some(p)
     }
-    fn next_request_if_rts(&mut self, now: u64) -> Option<Packet> {
-        if self.state != QpState::Rts {
-            return None;
-        }
-        self.next_request(now)
-    }
-    /// Whether a coalesced ACK waits to be sent and it is all the responder
-    /// has to send (no READ or atomic response is queued).
+    /// Whether a coalesced ACK waits to be sent.
     pub fn ack_pending(&self) -> bool {
-        self.pending_ack.is_some() && self.resp_tx.is_empty()
+        self.pending_ack.is_some()
     }
     /// Process one received packet addressed to this QP. `ce` is true when its
     /// IP header carried ECN Congestion Experienced.

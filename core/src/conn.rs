@@ -62,6 +62,18 @@ pub struct ConnectionInfo {
     pub capabilities: Capabilities,
     /// True if shared-secret authentication succeeded on this connection.
     pub authenticated: bool,
+    /// Set on a transport connection that is one lane of a larger connection
+    /// (as its handshake agreed); `None` otherwise.
+    #[serde(default)]
+    pub lane: Option<crate::lanes::LaneTag>,
+    /// Lanes this connection carries its operations over (1 unless striped;
+    /// see [`crate::lanes`]).
+    #[serde(default = "one_lane")]
+    pub lanes: u16,
+}
+
+fn one_lane() -> u16 {
+    1
 }
 
 /// The interface a transport implements for one connection.
@@ -75,6 +87,10 @@ pub trait RawConnection: Send + Sync + 'static {
     fn info(&self) -> ConnectionInfo;
     /// The connection's counters.
     fn stats(&self) -> &Arc<Stats>;
+    /// A copy of the counters (a striped connection sums its lanes').
+    fn snapshot(&self) -> StatsSnapshot {
+        self.stats().snapshot()
+    }
     /// The domain whose regions this connection serves to the peer.
     fn domain(&self) -> &Domain;
     /// Send one message; waits for a receive credit.
@@ -296,6 +312,22 @@ impl Connection {
         }
     }
 
+    /// Wrap a connection made of other connections (lanes), which the
+    /// per-connection metrics already list one by one.
+    pub(crate) fn new_untracked(raw: Arc<dyn RawConnection>, op_timeout: Duration) -> Connection {
+        let info = Arc::new(raw.info());
+        Connection {
+            raw,
+            info,
+            op_timeout,
+        }
+    }
+
+    /// The transport's connection underneath.
+    pub(crate) fn raw(&self) -> &Arc<dyn RawConnection> {
+        &self.raw
+    }
+
     pub(crate) fn set_fallback_reason(&mut self, reason: String) {
         let mut info = (*self.info).clone();
         info.fallback_reason = Some(reason);
@@ -340,7 +372,7 @@ impl Connection {
 
     /// This connection's counters.
     pub fn stats(&self) -> StatsSnapshot {
-        self.raw.stats().snapshot()
+        self.raw.snapshot()
     }
 
     /// Default deadline of operations on this connection.

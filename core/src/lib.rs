@@ -53,10 +53,12 @@
 pub mod caps;
 pub mod conn;
 pub mod error;
+pub mod lanes;
 pub mod memory;
 pub mod metrics;
 pub mod pool;
 pub mod stats;
+pub mod striped;
 pub mod transport;
 
 pub use caps::{Capabilities, Support};
@@ -64,6 +66,7 @@ pub use conn::{
     BoxFuture, Connection, ConnectionInfo, Incoming, Op, RawConnection, DEFAULT_OP_TIMEOUT,
 };
 pub use error::{AccessError, Error, Result};
+pub use lanes::LaneTag;
 pub use memory::{
     Access, AtomicOp, DeviceMemory, DeviceRegistration, Domain, LocalSlice, MemoryRegion,
     RemoteRegion,

@@ -27,6 +27,11 @@ macro_rules! counters {
         }
 
         impl StatsSnapshot {
+            /// Add every counter of `other` to this one (a connection's lanes).
+            pub fn add(&mut self, other: &StatsSnapshot) {
+                $(self.$name += other.$name;)*
+            }
+
             /// Every counter as (name, help text, value), in declaration order.
             pub fn fields(&self) -> Vec<(&'static str, &'static str, u64)> {
                 vec![$((stringify!($name), $doc.trim(), self.$name),)*]

@@ -65,6 +65,14 @@ pub struct Options {
     pub busy_poll: Option<Duration>,
     /// Transport policy for [`Transports::connect`].
     pub policy: Policy,
+    /// Lanes a connection made by [`Transports::connect`] or
+    /// [`crate::lanes::connect`] asks for (several TCP connections or RC
+    /// queue pairs carrying one connection's operations; large reads and
+    /// writes use them all). 1 is a plain connection.
+    pub lanes: u16,
+    /// The lane a transport's `connect` announces in its handshake; set by
+    /// [`crate::lanes::connect`] for each lane it opens, `None` otherwise.
+    pub lane_tag: Option<crate::lanes::LaneTag>,
 }
 
 /// The default options serve the process-wide [`Domain::global`], so regions
@@ -83,6 +91,8 @@ impl Default for Options {
             max_inflight: 4096,
             busy_poll: None,
             policy: Policy::default(),
+            lanes: 1,
+            lane_tag: None,
         }
     }
 }
@@ -100,6 +110,7 @@ impl fmt::Debug for Options {
             .field("max_inflight", &self.max_inflight)
             .field("busy_poll", &self.busy_poll)
             .field("policy", &self.policy)
+            .field("lanes", &self.lanes)
             .finish()
     }
 }
@@ -134,6 +145,7 @@ pub struct Listener {
     raw: Box<dyn RawListener>,
     transport: &'static str,
     fallback_reason: Option<String>,
+    groups: crate::lanes::LaneGroups,
 }
 
 impl fmt::Debug for Listener {
@@ -153,6 +165,7 @@ impl Listener {
             raw,
             transport: "",
             fallback_reason: None,
+            groups: Default::default(),
         }
     }
 
@@ -205,8 +218,18 @@ impl Listener {
 
     /// Wait for the next connection. Errors are per connection attempt (for
     /// example a client with the wrong secret); keep calling `accept`.
+    /// The lanes of a client that asked for several arrive as one
+    /// connection once all of them are there (see [`crate::lanes`]).
     pub async fn accept(&mut self) -> Result<Connection> {
-        self.raw.accept().await
+        loop {
+            let conn = self.raw.accept().await?;
+            let Some(tag) = conn.info().lane else {
+                return Ok(conn);
+            };
+            if let Some(whole) = self.groups.add(conn, tag)? {
+                return Ok(whole);
+            }
+        }
     }
 
     /// The bound address (useful after binding port 0).
@@ -402,11 +425,11 @@ impl Transports {
         let ep: Endpoint = url.parse()?;
         if ep.scheme == "tcp" {
             require_allows_tcp(opts.policy)?;
-            return self.tcp()?.connect(&ep.addr, opts).await;
+            return crate::lanes::connect(self.tcp()?, &ep.addr, opts).await;
         }
         let (plan, mut reasons) = self.rdma_plan(&ep, opts.policy)?;
         for t in plan {
-            match t.connect(&ep.addr, opts).await {
+            match crate::lanes::connect(&t, &ep.addr, opts).await {
                 Ok(c) => return Ok(c),
                 Err(e) => {
                     // The reason travels on: into the fallback reason, or
@@ -420,7 +443,7 @@ impl Transports {
         if opts.policy == Policy::RequireRdma {
             return Err(Error::RdmaUnavailable(reason));
         }
-        let mut conn = self.tcp()?.connect(&ep.addr, opts).await?;
+        let mut conn = crate::lanes::connect(self.tcp()?, &ep.addr, opts).await?;
         tracing::warn!(url, %reason, "falling back to TCP");
         stats::global().add(|s| &s.fallbacks, 1);
         conn.set_fallback_reason(reason);

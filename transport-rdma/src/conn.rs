@@ -538,6 +538,8 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             ..capabilities(agreed.peer.max_message, max_inflight, agreed.peer.credits)
         },
         authenticated: agreed.authenticated,
+        lane: agreed.lane,
+        lanes: 1,
     };
     let _ = stream.set_nodelay(true);
     let (rd, wr) = stream.into_split();

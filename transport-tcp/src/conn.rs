@@ -163,6 +163,8 @@ impl TcpConnection {
                 s.agreed.peer.credits,
             ),
             authenticated: s.agreed.authenticated,
+            lane: s.agreed.lane,
+            lanes: 1,
         };
         let stats = rdmx_core::stats::new_stats();
         stats.add(|s| &s.connections, 1);

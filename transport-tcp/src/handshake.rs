@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut};
 use hmac::{Hmac, Mac};
-use rdmx_core::{Error, Options, Result};
+use rdmx_core::{Error, LaneTag, Options, Result};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -42,6 +42,10 @@ const WELCOME_LEN: usize = 80;
 const FLAG_AUTH: u16 = 1;
 /// The sender speaks the RDMA bootstrap after the handshake (not TCP frames).
 const FLAG_RDMA: u16 = 2;
+/// HELLO: a lane tag follows the 44 bytes; WELCOME: the server took it.
+const FLAG_LANE: u16 = 4;
+/// A lane tag after HELLO: group u64 | index u16 | count u16.
+const LANE_TAG_LEN: usize = 12;
 
 const ST_OK: u16 = 0;
 const ST_VERSION: u16 = 1;
@@ -141,6 +145,9 @@ pub struct Agreed {
     pub peer: Limits,
     /// True if both sides proved the shared secret.
     pub authenticated: bool,
+    /// The lane this connection is, if the client asked for lanes and the
+    /// server took them (see `rdmx_core::lanes`).
+    pub lane: Option<LaneTag>,
 }
 
 fn proof(secret: &[u8], label: &[u8], first: &[u8; 16], second: &[u8; 16]) -> [u8; 32] {
@@ -179,22 +186,30 @@ fn check_magic(b: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Client side of the handshake.
+/// Client side of the handshake; `lane` is the lane tag to announce, if
+/// this connection is one lane of several.
 pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     ours: Limits,
     secret: Option<&[u8]>,
     speaks: Speaks,
+    lane: Option<LaneTag>,
 ) -> Result<Agreed> {
     let nonce_c: [u8; 16] = rand::random();
-    let mut hello = Vec::with_capacity(HELLO_LEN);
+    let mut hello = Vec::with_capacity(HELLO_LEN + LANE_TAG_LEN);
     hello.put_slice(MAGIC);
     hello.put_u16_le(VERSION);
-    hello.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag());
+    let lane_flag = if lane.is_some() { FLAG_LANE } else { 0 };
+    hello.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag);
     hello.put_u32_le(ours.credits);
     hello.put_u64_le(ours.window);
     hello.put_u64_le(ours.max_message);
     hello.put_slice(&nonce_c);
+    if let Some(t) = lane {
+        hello.put_u64_le(t.group);
+        hello.put_u16_le(t.index);
+        hello.put_u16_le(t.count);
+    }
     s.write_all(&hello).await.map_err(|e| io_err("hello", e))?;
 
     let mut w = [0u8; WELCOME_LEN];
@@ -266,6 +281,8 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
         ST_OK => Ok(Agreed {
             peer,
             authenticated: secret.is_some(),
+            // A server that does not take lanes does not echo the flag.
+            lane: lane.filter(|_| flags & FLAG_LANE != 0),
         }),
         ST_AUTH => Err(Error::AuthFailed(if secret.is_none() {
             "the server requires a shared secret and we have none".into()
@@ -293,12 +310,12 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     let version = u16::from_le_bytes([h[4], h[5]]);
     let nonce_s: [u8; 16] = rand::random();
     let mut welcome = Vec::with_capacity(WELCOME_LEN);
-    let send_welcome = |status: u16, proof_s: [u8; 32], welcome: &mut Vec<u8>| {
+    let send_welcome = |status: u16, proof_s: [u8; 32], lane_flag: u16, welcome: &mut Vec<u8>| {
         welcome.clear();
         welcome.put_slice(MAGIC);
         welcome.put_u16_le(VERSION);
         welcome.put_u16_le(status);
-        welcome.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag());
+        welcome.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag);
         welcome.put_u16_le(0);
         welcome.put_u32_le(ours.credits);
         welcome.put_u64_le(ours.window);
@@ -307,7 +324,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         welcome.put_slice(&proof_s);
     };
     if version != VERSION {
-        send_welcome(ST_VERSION, [0; 32], &mut welcome);
+        send_welcome(ST_VERSION, [0; 32], 0, &mut welcome);
         let _ = s.write_all(&welcome).await;
         let _ = s.shutdown().await;
         return Err(Error::VersionMismatch {
@@ -326,21 +343,40 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         max_message: r.get_u64_le(),
     };
     let nonce_c: [u8; 16] = r[..16].try_into().expect("16");
+    let lane = if flags & FLAG_LANE != 0 {
+        let mut t = [0u8; LANE_TAG_LEN];
+        s.read_exact(&mut t)
+            .await
+            .map_err(|e| io_err("hello", e))?;
+        let mut r = &t[..];
+        Some(LaneTag {
+            group: r.get_u64_le(),
+            index: r.get_u16_le(),
+            count: r.get_u16_le(),
+        })
+    } else {
+        None
+    };
     if Speaks::of(flags) != speaks {
-        send_welcome(ST_TRANSPORT, [0; 32], &mut welcome);
+        send_welcome(ST_TRANSPORT, [0; 32], 0, &mut welcome);
         let _ = s.write_all(&welcome).await;
         let _ = s.shutdown().await;
         return Err(wrong_transport(Speaks::of(flags), speaks, true));
     }
     if !peer.valid() {
-        send_welcome(ST_LIMITS, [0; 32], &mut welcome);
+        send_welcome(ST_LIMITS, [0; 32], 0, &mut welcome);
         let _ = s.write_all(&welcome).await;
         return Err(Error::Protocol(format!(
             "client announced invalid limits {peer:?}"
         )));
     }
+    if let Some(Err(e)) = lane.map(|t| t.validate()) {
+        send_welcome(ST_LIMITS, [0; 32], 0, &mut welcome);
+        let _ = s.write_all(&welcome).await;
+        return Err(e);
+    }
     let proof_s = secret.map_or([0; 32], |k| proof(k, b"rdmx-server", &nonce_c, &nonce_s));
-    send_welcome(ST_OK, proof_s, &mut welcome);
+    send_welcome(ST_OK, proof_s, if lane.is_some() { FLAG_LANE } else { 0 }, &mut welcome);
     s.write_all(&welcome)
         .await
         .map_err(|e| io_err("welcome", e))?;
@@ -368,6 +404,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(Agreed {
         peer,
         authenticated: secret.is_some(),
+        lane,
     })
 }
 

@@ -181,7 +181,7 @@ async fn not_an_rdmx_peer() {
 /// A raw client that completed the handshake, speaking frames by hand.
 async fn raw_client(addr: &str) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    handshake::client(&mut s, limits(), None, handshake::Speaks::Tcp)
+    handshake::client(&mut s, limits(), None, handshake::Speaks::Tcp, None)
         .await
         .unwrap();
     s

@@ -90,6 +90,11 @@ pub(crate) struct PerfArgs {
     /// Busy-poll sockets for this many microseconds before sleeping (rdmx and baseline).
     #[arg(long)]
     busy_poll_us: Option<u64>,
+    /// Client: lanes per connection (TCP connections or RC queue pairs that
+    /// large reads and writes are split across; the server takes what the
+    /// client asks for).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    lanes: u16,
     /// Shared secret for authentication (both ends; the raw baseline too).
     #[arg(long)]
     secret: Option<String>,
@@ -225,6 +230,8 @@ pub(crate) struct Baseline {
 pub(crate) struct PerfResult {
     pub(crate) transport: String,
     pub(crate) provider: String,
+    /// Lanes the connection carried its operations over.
+    pub(crate) lanes: u16,
     pub(crate) op: String,
     pub(crate) size: u64,
     pub(crate) iters: u64,
@@ -271,6 +278,7 @@ fn options(a: &PerfArgs) -> Result<Options, Error> {
     let mut o = Options {
         busy_poll: a.busy_poll_us.map(Duration::from_micros),
         policy: a.policy.parse()?,
+        lanes: a.lanes,
         ..Options::default()
     };
     if let Some(s) = &a.secret {
@@ -641,9 +649,11 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
     }
     if !a.json {
         println!(
-            "# rdmx perf: {url} over {} (provider {}){}{}",
+            "# rdmx perf: {url} over {} (provider {}, {} lane{}){}{}",
             conn.transport(),
             conn.info().provider,
+            conn.info().lanes,
+            if conn.info().lanes == 1 { "" } else { "s" },
             conn.fallback_reason()
                 .map(|r| format!(", fell back: {r}"))
                 .unwrap_or_default(),
@@ -690,6 +700,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             let mut r = PerfResult {
                 transport: conn.transport().to_string(),
                 provider: conn.info().provider.clone(),
+                lanes: conn.info().lanes,
                 op: op.name().to_string(),
                 size,
                 iters: 0,

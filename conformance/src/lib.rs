@@ -982,6 +982,121 @@ impl Suite {
             assert!(p.server.stats().remote_ops_served >= 3);
         }
     }
+
+    /// Lanes (run on a plain transport; not part of [`conformance_tests!`]):
+    /// four lanes negotiated and visible on both ends, large transfers split
+    /// over all of them with exact data, a message still arriving after the
+    /// data written before it, and a listener that refuses bad lane tags and
+    /// half-open groups while it keeps accepting.
+    pub async fn lanes(&self) {
+        let client_opts = Options {
+            lanes: 4,
+            ..Options::default()
+        };
+        let mut listener = self
+            .transport
+            .listen(&self.listen_addr, &Options::default())
+            .await
+            .expect("listen");
+        let addr = listener.local_addr().to_string();
+        let (c, s) = tokio::join!(
+            rdmx_core::lanes::connect(&self.transport, &addr, &client_opts),
+            listener.accept()
+        );
+        let (c, s) = (c.expect("connect"), s.expect("accept"));
+        assert_eq!((c.info().lanes, s.info().lanes), (4, 4));
+        assert_eq!(c.lane_stats().len(), 4);
+
+        // 16 MiB region: the first write goes whole (it tells whether the
+        // range is writable), the next ones are split over every lane.
+        let len = 16 << 20;
+        let mr = Arc::new(Options::default().domain.register(len, Access::ALL));
+        let before: Vec<u64> = c.lane_stats().iter().map(|l| l.bytes_sent).collect();
+        for seed in 0..3u64 {
+            let data = pattern(seed, len);
+            c.write(data.clone(), mr.remote()).await.unwrap();
+            assert_eq!(sha(&mr.read()), sha(&data), "write {seed}");
+            let back = c.read(mr.remote()).await.unwrap();
+            assert_eq!(sha(&back), sha(&data), "read {seed}");
+        }
+        let after: Vec<u64> = c.lane_stats().iter().map(|l| l.bytes_sent).collect();
+        for (lane, (b, a)) in before.iter().zip(&after).enumerate() {
+            assert!(a - b >= (len as u64 / 4) * 2, "lane {lane} sent {} bytes", a - b);
+        }
+        assert!(
+            c.lane_stats().iter().all(|l| l.bytes_received >= len as u64 / 4 * 3),
+            "every lane carried read data: {:?}",
+            c.lane_stats()
+        );
+        assert_eq!(
+            c.stats().bytes_sent,
+            c.lane_stats().iter().map(|l| l.bytes_sent).sum::<u64>()
+        );
+
+        // A message posted right after a split write arrives after its data:
+        // the receiver looks at the memory as soon as the message is there.
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        let receiver = {
+            let (s, mr) = (s.clone(), mr.clone());
+            tokio::spawn(async move {
+                for _ in 10..20 {
+                    let got = s.recv_message().await.unwrap();
+                    seen_tx.send((got, sha(&mr.read()))).unwrap();
+                }
+            })
+        };
+        for seed in 10..20u64 {
+            let data = pattern(seed, len);
+            let want = sha(&data);
+            let (w, m) = tokio::join!(
+                c.write(data, mr.remote()).into_future(),
+                c.send(seed.to_le_bytes().to_vec()).into_future()
+            );
+            w.unwrap();
+            m.unwrap();
+            let (got, memory) = seen.recv().await.unwrap();
+            assert_eq!(&got[..], &seed.to_le_bytes());
+            assert_eq!(memory, want, "message {seed} overtook its data");
+        }
+        receiver.await.unwrap();
+
+        // Bad tags are refused, a group that never completes holds nobody
+        // up, and the listener goes on accepting.
+        for (index, count) in [(0u16, 17u16), (3, 3), (0, 1)] {
+            let bad = Options {
+                lane_tag: Some(rdmx_core::LaneTag {
+                    group: 99,
+                    index,
+                    count,
+                }),
+                ..Options::default()
+            };
+            let (r, a) = tokio::join!(
+                self.transport.connect(&addr, &bad),
+                tokio::time::timeout(Duration::from_millis(300), listener.accept())
+            );
+            assert!(r.is_err(), "lane {index} of {count} was taken");
+            assert!(matches!(a, Ok(Err(_))), "lane {index} of {count}: {a:?}");
+        }
+        let half = Options {
+            lane_tag: Some(rdmx_core::LaneTag {
+                group: 7,
+                index: 0,
+                count: 2,
+            }),
+            ..Options::default()
+        };
+        let (lone, plain) = (
+            self.transport.connect(&addr, &half).await.expect("lane 0"),
+            self.transport.connect(&addr, &Options::default()),
+        );
+        let (plain, accepted) = tokio::join!(plain, listener.accept());
+        let (plain, accepted) = (plain.unwrap(), accepted.unwrap());
+        assert_eq!(accepted.info().lanes, 1);
+        plain.send(&b"after"[..]).await.unwrap();
+        assert_eq!(&accepted.recv_message().await.unwrap()[..], b"after");
+        drop(lone);
+    }
 }
 
 /// Expand to one `#[tokio::test]` per conformance case for the suite built by `$make`.

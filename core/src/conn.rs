@@ -91,6 +91,10 @@ pub trait RawConnection: Send + Sync + 'static {
     fn snapshot(&self) -> StatsSnapshot {
         self.stats().snapshot()
     }
+    /// The counters of each lane (one entry unless striped).
+    fn lane_snapshots(&self) -> Vec<StatsSnapshot> {
+        vec![self.snapshot()]
+    }
     /// The domain whose regions this connection serves to the peer.
     fn domain(&self) -> &Domain;
     /// Send one message; waits for a receive credit.
@@ -373,6 +377,12 @@ impl Connection {
     /// This connection's counters.
     pub fn stats(&self) -> StatsSnapshot {
         self.raw.snapshot()
+    }
+
+    /// The counters of each lane, lane 0 first (one entry unless the
+    /// connection is striped over several; [`Connection::stats`] is their sum).
+    pub fn lane_stats(&self) -> Vec<StatsSnapshot> {
+        self.raw.lane_snapshots()
     }
 
     /// Default deadline of operations on this connection.

@@ -323,6 +323,10 @@ impl RawConnection for StripedConnection {
         sum
     }
 
+    fn lane_snapshots(&self) -> Vec<StatsSnapshot> {
+        self.inner.lanes.iter().map(|l| l.snapshot()).collect()
+    }
+
     fn domain(&self) -> &Domain {
         self.inner.lane0().domain()
     }

@@ -47,6 +47,32 @@ rdmx_conformance::conformance_tests!(
     ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"
 );
 
+/// The same cases with every connection striped over four RC queue pairs.
+mod four_lanes {
+    use super::*;
+    use rdmx_core::lanes::WithLanes;
+
+    fn suite() -> Suite {
+        let plain = super::suite();
+        Suite::new(
+            Arc::new(WithLanes::new(plain.transport, 4)),
+            &plain.listen_addr,
+        )
+    }
+
+    rdmx_conformance::conformance_tests!(
+        suite(),
+        ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"
+    );
+
+    /// Lanes negotiated, split transfers and message order on the NIC.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"]
+    async fn lanes() {
+        super::suite().lanes().await;
+    }
+}
+
 /// Without a NIC, run the same cases against a fake libibverbs
 /// (`tests/fake-verbs/fake_verbs.c`: one in-process device whose queue pairs
 /// reach each other through memory, checking keys, bounds, rights and state
@@ -120,7 +146,7 @@ fn conformance_on_a_fake_libibverbs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
-        out.status.success() && stdout.contains("test result: ok. 14 passed"),
+        out.status.success() && stdout.contains("test result: ok. 28 passed"),
         "conformance on the fake libibverbs failed:\n{stdout}\n{stderr}"
     );
 }

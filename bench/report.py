@@ -213,6 +213,31 @@ for r in rdma:
     w(f"| {r['op']} | {r['size']} | {f(r['p50_us'])} | {f(r['p99_us'])} | {f(b.get('p50_us'))} | "
       f"{f(r.get('lat_ratio'))} | {f(r['mb_per_s'], 1)} | {f(tcp_bw, 1)} | {f(x)} |")
 w("")
+
+LANES = (1, 2, 4)
+if any(rdmx(f"lanes_tcp_1_r{r}") for r in (1, 2, 3)):
+    w("## Lanes: one connection over several TCP connections or RC queue pairs\n")
+    w("`rdmx perf --lanes N`: large reads and writes split by remote address across N lanes "
+      "(256 KiB units), loopback, both ends in one process on this VM's two cores. Three rounds, "
+      "interleaved; medians with the spread (max − min, % of the median). p50: one operation "
+      "at a time; MB/s: 16 in flight.\n")
+    w(f"Command: `{cmd('lanes_tcp_4_r1')}` (likewise for 1 and 2 lanes and `--transport rdma`)\n")
+    w("| transport | op | size | " + " | ".join(f"{n} lane{'s' if n > 1 else ''} MB/s" for n in LANES)
+      + " | " + " | ".join(f"{n} p50 µs" for n in LANES) + " | 4 ÷ 1 lanes MB/s |")
+    w("|---|---|---:|" + "---:|" * (2 * len(LANES) + 1))
+    for t, label in (("tcp", "tcp"), ("rdma", "soft RoCE")):
+        for op in ("write", "read"):
+            for size in (1 << 20, 16 << 20):
+                bw, lat = {}, {}
+                for n in LANES:
+                    pts = [find(rdmx(f"lanes_{t}_{n}_r{r}"), op, size) for r in (1, 2, 3)]
+                    bw[n] = med([p["mb_per_s"] for p in pts if p])
+                    lat[n] = med([p["p50_us"] for p in pts if p])
+                x = bw[4][0] / bw[1][0] if bw[4][0] and bw[1][0] else None
+                w(f"| {label} | {op} | {size >> 20} MiB | "
+                  + " | ".join(f"{f(bw[n][0], 1)} ±{f(bw[n][1], 0)}%" for n in LANES) + " | "
+                  + " | ".join(f"{f(lat[n][0], 1)}" for n in LANES) + f" | {f(x)} |")
+    w("")
 if rdma:
     w(f"Provider: `{rdma[0]['provider']}`.\n")
 rdma_poll = rdmx("rdmx_rdma_poll")

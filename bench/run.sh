@@ -40,6 +40,15 @@ run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json -
 echo "rdmx perf over soft RoCE with adaptive busy polling (8 B)" >&2
 run rdmx_rdma_poll $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --busy-poll-us 100 \
   --mode lat --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
+echo "lanes: 1, 2 and 4 per connection over TCP and soft RoCE, three rounds (one when quick)" >&2
+for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
+  for t in tcp rdma; do
+    for l in 1 2 4; do
+      run lanes_${t}_${l}_r$r $RDMX perf --loopback --transport $t --lanes $l --json --duration-ms $DUR \
+        --iters $((ITERS / 10)) --op write,read --sizes 1m,16m --window 16
+    done
+  done
+done
 $RDMX perf --loopback --baseline raw-tcp --duration-ms $DUR --iters $ITERS --op write,read \
   --sizes 8,512,4k,32k,256k,1m --svg bench/perf-tcp.svg > /dev/null 2>&1 || true
 

@@ -1021,10 +1021,16 @@ impl Suite {
         }
         let after: Vec<u64> = c.lane_stats().iter().map(|l| l.bytes_sent).collect();
         for (lane, (b, a)) in before.iter().zip(&after).enumerate() {
-            assert!(a - b >= (len as u64 / 4) * 2, "lane {lane} sent {} bytes", a - b);
+            assert!(
+                a - b >= (len as u64 / 4) * 2,
+                "lane {lane} sent {} bytes",
+                a - b
+            );
         }
         assert!(
-            c.lane_stats().iter().all(|l| l.bytes_received >= len as u64 / 4 * 3),
+            c.lane_stats()
+                .iter()
+                .all(|l| l.bytes_received >= len as u64 / 4 * 3),
             "every lane carried read data: {:?}",
             c.lane_stats()
         );

@@ -382,10 +382,7 @@ impl RawConnection for StripedConnection {
             let inner = self.inner.clone();
             return Box::pin(async move {
                 let ticket = inner.whole_writes.open();
-                let r = inner
-                    .clone()
-                    .fenced(move |l| l.write(dst, data, imm))
-                    .await;
+                let r = inner.clone().fenced(move |l| l.write(dst, data, imm)).await;
                 drop(ticket);
                 match &r {
                     Ok(()) => inner.learn_writable(&dst, true),
@@ -489,13 +486,17 @@ mod tests {
         // 1 MiB aligned over 4 lanes: a unit per lane.
         let p = pieces(8 * u, 4 * u, 4);
         assert_eq!(
-            p.iter().map(|p| (p.lane, p.offset, p.len)).collect::<Vec<_>>(),
+            p.iter()
+                .map(|p| (p.lane, p.offset, p.len))
+                .collect::<Vec<_>>(),
             vec![(0, 0, u), (1, u, u), (2, 2 * u, u), (3, 3 * u, u)]
         );
         // Unaligned: the cuts fall on unit boundaries, covering every byte once.
         let p = pieces(u - 5, u + 10, 2);
         assert_eq!(
-            p.iter().map(|p| (p.lane, p.offset, p.len)).collect::<Vec<_>>(),
+            p.iter()
+                .map(|p| (p.lane, p.offset, p.len))
+                .collect::<Vec<_>>(),
             vec![(0, 0, 5), (1, 5, u), (0, u + 5, 5)]
         );
         // Zero length: one empty piece.

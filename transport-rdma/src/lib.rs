@@ -159,7 +159,14 @@ async fn establish(
         if server {
             handshake::server(&mut stream, ours, secret, handshake::Speaks::Rdma).await
         } else {
-            handshake::client(&mut stream, ours, secret, handshake::Speaks::Rdma, opts.lane_tag).await
+            handshake::client(
+                &mut stream,
+                ours,
+                secret,
+                handshake::Speaks::Rdma,
+                opts.lane_tag,
+            )
+            .await
         }
     };
     let agreed = match tokio::time::timeout(opts.connect_timeout, hs).await {

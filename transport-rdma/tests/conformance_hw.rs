@@ -62,7 +62,8 @@ mod four_lanes {
 
     rdmx_conformance::conformance_tests!(
         suite(),
-        ignore = "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"
+        ignore =
+            "needs a RoCE NIC: set RDMX_TEST_RDMA_ADDR (and RDMX_RDMA_DEVICE), run with --ignored"
     );
 
     /// Lanes negotiated, split transfers and message order on the NIC.

@@ -315,7 +315,8 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         welcome.put_slice(MAGIC);
         welcome.put_u16_le(VERSION);
         welcome.put_u16_le(status);
-        welcome.put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag);
+        welcome
+            .put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag);
         welcome.put_u16_le(0);
         welcome.put_u32_le(ours.credits);
         welcome.put_u64_le(ours.window);
@@ -345,9 +346,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     let nonce_c: [u8; 16] = r[..16].try_into().expect("16");
     let lane = if flags & FLAG_LANE != 0 {
         let mut t = [0u8; LANE_TAG_LEN];
-        s.read_exact(&mut t)
-            .await
-            .map_err(|e| io_err("hello", e))?;
+        s.read_exact(&mut t).await.map_err(|e| io_err("hello", e))?;
         let mut r = &t[..];
         Some(LaneTag {
             group: r.get_u64_le(),
@@ -376,7 +375,12 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         return Err(e);
     }
     let proof_s = secret.map_or([0; 32], |k| proof(k, b"rdmx-server", &nonce_c, &nonce_s));
-    send_welcome(ST_OK, proof_s, if lane.is_some() { FLAG_LANE } else { 0 }, &mut welcome);
+    send_welcome(
+        ST_OK,
+        proof_s,
+        if lane.is_some() { FLAG_LANE } else { 0 },
+        &mut welcome,
+    );
     s.write_all(&welcome)
         .await
         .map_err(|e| io_err("welcome", e))?;

@@ -74,7 +74,14 @@ async fn establish(
         if server {
             handshake::server(&mut stream, ours, secret, handshake::Speaks::Tcp).await
         } else {
-            handshake::client(&mut stream, ours, secret, handshake::Speaks::Tcp, opts.lane_tag).await
+            handshake::client(
+                &mut stream,
+                ours,
+                secret,
+                handshake::Speaks::Tcp,
+                opts.lane_tag,
+            )
+            .await
         }
     })
     .await;

@@ -137,7 +137,7 @@ fn server_and_client_as_separate_processes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("over tcp (provider kernel-tcp)"),
+        stdout.contains("over tcp (provider kernel-tcp, 1 lane)"),
         "{stdout}"
     );
     assert_eq!(

@@ -133,6 +133,15 @@ impl Limits {
         })
     }
 
+    /// What a lane other than lane 0 announces: it carries no messages
+    /// (they all travel on lane 0), so it needs only the protocol's minimum
+    /// of receive buffers (a NIC pins each of them).
+    pub const EXTRA_LANE: Limits = Limits {
+        credits: 4,
+        window: 16 << 10,
+        max_message: 4 << 10,
+    };
+
     fn valid(&self) -> bool {
         self.credits >= 1 && self.window >= self.max_message
     }
@@ -148,6 +157,9 @@ pub struct Agreed {
     /// The lane this connection is, if the client asked for lanes and the
     /// server took them (see `rdmx_core::lanes`).
     pub lane: Option<LaneTag>,
+    /// Our limits as announced ([`Limits::EXTRA_LANE`] for a lane other
+    /// than lane 0, else the ones we were given).
+    pub ours: Limits,
 }
 
 fn proof(secret: &[u8], label: &[u8], first: &[u8; 16], second: &[u8; 16]) -> [u8; 32] {
@@ -195,6 +207,10 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     speaks: Speaks,
     lane: Option<LaneTag>,
 ) -> Result<Agreed> {
+    let ours = match lane {
+        Some(t) if t.index > 0 => Limits::EXTRA_LANE,
+        _ => ours,
+    };
     let nonce_c: [u8; 16] = rand::random();
     let mut hello = Vec::with_capacity(HELLO_LEN + LANE_TAG_LEN);
     hello.put_slice(MAGIC);
@@ -283,6 +299,7 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
             authenticated: secret.is_some(),
             // A server that does not take lanes does not echo the flag.
             lane: lane.filter(|_| flags & FLAG_LANE != 0),
+            ours,
         }),
         ST_AUTH => Err(Error::AuthFailed(if secret.is_none() {
             "the server requires a shared secret and we have none".into()
@@ -310,22 +327,24 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     let version = u16::from_le_bytes([h[4], h[5]]);
     let nonce_s: [u8; 16] = rand::random();
     let mut welcome = Vec::with_capacity(WELCOME_LEN);
-    let send_welcome = |status: u16, proof_s: [u8; 32], lane_flag: u16, welcome: &mut Vec<u8>| {
-        welcome.clear();
-        welcome.put_slice(MAGIC);
-        welcome.put_u16_le(VERSION);
-        welcome.put_u16_le(status);
-        welcome
-            .put_u16_le(if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag);
-        welcome.put_u16_le(0);
-        welcome.put_u32_le(ours.credits);
-        welcome.put_u64_le(ours.window);
-        welcome.put_u64_le(ours.max_message);
-        welcome.put_slice(&nonce_s);
-        welcome.put_slice(&proof_s);
-    };
+    let send_welcome =
+        |status: u16, proof_s: [u8; 32], lane_flag: u16, ours: Limits, welcome: &mut Vec<u8>| {
+            welcome.clear();
+            welcome.put_slice(MAGIC);
+            welcome.put_u16_le(VERSION);
+            welcome.put_u16_le(status);
+            welcome.put_u16_le(
+                if secret.is_some() { FLAG_AUTH } else { 0 } | speaks.flag() | lane_flag,
+            );
+            welcome.put_u16_le(0);
+            welcome.put_u32_le(ours.credits);
+            welcome.put_u64_le(ours.window);
+            welcome.put_u64_le(ours.max_message);
+            welcome.put_slice(&nonce_s);
+            welcome.put_slice(&proof_s);
+        };
     if version != VERSION {
-        send_welcome(ST_VERSION, [0; 32], 0, &mut welcome);
+        send_welcome(ST_VERSION, [0; 32], 0, ours, &mut welcome);
         let _ = s.write_all(&welcome).await;
         let _ = s.shutdown().await;
         return Err(Error::VersionMismatch {
@@ -356,21 +375,25 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     } else {
         None
     };
+    let ours = match lane {
+        Some(t) if t.index > 0 => Limits::EXTRA_LANE,
+        _ => ours,
+    };
     if Speaks::of(flags) != speaks {
-        send_welcome(ST_TRANSPORT, [0; 32], 0, &mut welcome);
+        send_welcome(ST_TRANSPORT, [0; 32], 0, ours, &mut welcome);
         let _ = s.write_all(&welcome).await;
         let _ = s.shutdown().await;
         return Err(wrong_transport(Speaks::of(flags), speaks, true));
     }
     if !peer.valid() {
-        send_welcome(ST_LIMITS, [0; 32], 0, &mut welcome);
+        send_welcome(ST_LIMITS, [0; 32], 0, ours, &mut welcome);
         let _ = s.write_all(&welcome).await;
         return Err(Error::Protocol(format!(
             "client announced invalid limits {peer:?}"
         )));
     }
     if let Some(Err(e)) = lane.map(|t| t.validate()) {
-        send_welcome(ST_LIMITS, [0; 32], 0, &mut welcome);
+        send_welcome(ST_LIMITS, [0; 32], 0, ours, &mut welcome);
         let _ = s.write_all(&welcome).await;
         return Err(e);
     }
@@ -379,6 +402,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         ST_OK,
         proof_s,
         if lane.is_some() { FLAG_LANE } else { 0 },
+        ours,
         &mut welcome,
     );
     s.write_all(&welcome)
@@ -409,6 +433,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
         peer,
         authenticated: secret.is_some(),
         lane,
+        ours,
     })
 }
 

@@ -102,7 +102,7 @@ async fn establish(
     let raw = TcpConnection::start(Setup {
         stream,
         domain: opts.domain.clone(),
-        ours,
+        ours: agreed.ours,
         agreed,
         max_inflight: opts.max_inflight,
         busy_poll: opts.busy_poll,

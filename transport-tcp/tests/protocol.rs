@@ -492,3 +492,40 @@ async fn concurrent_operations_share_system_calls() {
         "server made {server_writes} writes"
     );
 }
+
+/// A lane other than lane 0 carries no messages, so both ends announce only
+/// the protocol's minimum of receive buffers for it (a NIC pins each one);
+/// lane 0, and a connection without lanes, announce what they were given.
+#[tokio::test]
+async fn extra_lanes_announce_the_minimum_receive_buffers() {
+    for (index, expect) in [
+        (0u16, limits()),
+        (1, Limits::EXTRA_LANE),
+        (3, Limits::EXTRA_LANE),
+    ] {
+        let tag = rdmx_core::LaneTag {
+            group: 0x5eed,
+            index,
+            count: 4,
+        };
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let (c, s) = tokio::join!(
+            handshake::client(&mut a, limits(), None, handshake::Speaks::Tcp, Some(tag)),
+            handshake::server(&mut b, limits(), None, handshake::Speaks::Tcp),
+        );
+        let (c, s) = (c.unwrap(), s.unwrap());
+        assert_eq!(c.lane, Some(tag));
+        assert_eq!(s.lane, Some(tag));
+        assert_eq!(c.ours, expect, "client, lane {index}");
+        assert_eq!(s.ours, expect, "server, lane {index}");
+        assert_eq!(c.peer, expect, "what the client may send, lane {index}");
+        assert_eq!(s.peer, expect, "what the server may send, lane {index}");
+    }
+    let (mut a, mut b) = tokio::io::duplex(4096);
+    let (c, s) = tokio::join!(
+        handshake::client(&mut a, limits(), None, handshake::Speaks::Tcp, None),
+        handshake::server(&mut b, limits(), None, handshake::Speaks::Tcp),
+    );
+    assert_eq!(c.unwrap().peer, limits());
+    assert_eq!(s.unwrap().ours, limits());
+}

@@ -83,6 +83,8 @@ counters! {
     connections,
     /// Write system calls on the socket (TCP transport): operations per call show the coalescing.
     socket_writes,
+    /// Read system calls on the socket (TCP transport), those that found nothing included.
+    socket_reads,
 }
 
 impl Stats {

@@ -15,6 +15,7 @@ use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
     RawConnection, RemoteRegion, Result, Support,
 };
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
@@ -474,9 +475,26 @@ impl Shared {
             if buf.capacity() - buf.len() < READ_CHUNK {
                 buf.reserve(READ_CHUNK);
             }
-            match self.stream.try_read_buf(buf) {
+            // A read that leaves room in the buffer emptied the socket's
+            // receive queue: readiness is cleared now, instead of by one more
+            // read that would only return EAGAIN (one system call less per
+            // message that arrives alone). The readiness event is taken
+            // before the read, so data arriving after it is not missed
+            // (tokio clears only the event it gave out).
+            let room = buf.capacity() - buf.len();
+            let mut got = 0;
+            let r = self.stream.try_io(Interest::READABLE, || {
+                self.stats.add(|s| &s.socket_reads, 1);
+                got = self.stream.try_read_buf(buf)?;
+                if got > 0 && got < room {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                Ok(got)
+            });
+            match r {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && got > 0 => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.wait_readable(&mut spin_start).await?;
                 }
@@ -495,7 +513,13 @@ impl Shared {
     ) -> Result<()> {
         let mut spin: Option<Instant> = None;
         while pos < need {
-            match read(pos) {
+            // (`try_io` runs the read only when the socket may be readable,
+            // so the count is of system calls.)
+            let r = self.stream.try_io(Interest::READABLE, || {
+                self.stats.add(|s| &s.socket_reads, 1);
+                read(pos)
+            });
+            match r {
                 Ok(0) => return Err(Error::Disconnected("peer closed the connection".into())),
                 Ok(n) => {
                     pos += n;

@@ -3,9 +3,11 @@
 //! Writes land in a buffer shared with the stream's sender task (one copy:
 //! the caller's bytes are borrowed). A flush does not wait for the peer's
 //! acknowledgement, as a flush to a TCP socket does not wait for the peer's
-//! ACK. A flush that finds the sender idle starts its send itself (no task
-//! hop for a lone message); otherwise the sender lets the scheduler tick
-//! finish first, so that everything written in that tick (HTTP/2 flushes
+//! ACK. A flush that finds the sender idle and at most [`DIRECT_MAX`] bytes
+//! buffered starts its send itself (no task hop for a small message; the
+//! sender is not woken when that send completes at once), up to
+//! [`DIRECT_PER_TICK`] times until the stream's task reads again;
+//! otherwise the sender lets the scheduler tick finish first, so that everything written in that tick (HTTP/2 flushes
 //! after every 16 KiB frame) leaves as one message of up to [`CHUNK`] bytes.
 //! The sender keeps up to [`MAX_SENDS`] messages ([`MAX_SENDING`] bytes) in
 //! flight, in order. A writer more than [`MAX_BUFFERED`] bytes ahead waits.
@@ -32,6 +34,14 @@ pub(crate) const CHUNK: usize = 256 << 10;
 pub(crate) const MAX_SENDS: usize = 16;
 /// Bytes a stream has in flight at most.
 pub(crate) const MAX_SENDING: usize = 4 << 20;
+/// Most bytes a flush sends itself (when the sender is idle); more go to
+/// the sender, which coalesces the rest of the tick's writes with them
+/// (HTTP/2 writes a large message as 16 KiB frames, a flush each).
+pub(crate) const DIRECT_MAX: usize = 8 << 10;
+/// Flushes that send themselves between two reads of the stream's task
+/// (HTTP/2 flushes a frame header and a chained data frame apart); later
+/// ones go to the sender, which coalesces a tick's writes.
+pub(crate) const DIRECT_PER_TICK: usize = 4;
 /// Bytes a writer may have buffered ahead of the sender.
 pub(crate) const MAX_BUFFERED: usize = 4 << 20;
 
@@ -55,6 +65,12 @@ struct Outgoing {
     /// The writer is starting a send itself: the sender takes nothing
     /// meanwhile (so the two cannot start sends out of order).
     writer_sending: bool,
+    /// Times the sender task was woken (tests count them).
+    sender_wakes: u64,
+    /// Sends the writer started itself since its task last read or waited
+    /// to read (at most [`DIRECT_PER_TICK`]; further flushes go to the
+    /// sender, which coalesces a tick's writes).
+    direct_sends: usize,
     /// Sends the writer started that did not finish at once; the sender
     /// drives them from here on.
     adopted: VecDeque<(usize, BoxFuture<rdmx_core::Result<()>>)>,
@@ -63,6 +79,7 @@ struct Outgoing {
 impl Outgoing {
     fn wake_sender(&mut self) {
         if let Some(w) = self.sender.take() {
+            self.sender_wakes += 1;
             w.wake();
         }
     }
@@ -327,6 +344,10 @@ impl AsyncRead for RdmxStream {
                 let c = this.conn.clone();
                 Box::pin(async move { c.recv_message().await })
             });
+            // This task reads (its peer answered) or waits to read: what it
+            // wrote before was flushed, so its next flushes may send
+            // themselves again.
+            this.out.lock().direct_sends = 0;
             match ready!(fut.as_mut().poll(cx)) {
                 Ok(m) => this.pending = m,
                 // The peer closed: end of stream.
@@ -375,7 +396,12 @@ impl AsyncWrite for RdmxStream {
             return Poll::Ready(Ok(()));
         }
         o.flush = true;
-        if !o.idle || o.writer_sending || o.close {
+        if !o.idle
+            || o.writer_sending
+            || o.close
+            || o.buf.len() > DIRECT_MAX
+            || o.direct_sends >= DIRECT_PER_TICK
+        {
             o.wake_sender();
             return Poll::Ready(Ok(()));
         }
@@ -383,6 +409,7 @@ impl AsyncWrite for RdmxStream {
         // (no task hop); the sender drives it if it does not finish at once.
         o.idle = false;
         o.writer_sending = true;
+        o.direct_sends += 1;
         let n = o.buf.len().min(CHUNK);
         let msg = o.buf.split_to(n).freeze();
         if o.buf.is_empty() {
@@ -404,8 +431,16 @@ impl AsyncWrite for RdmxStream {
                 Ok(())
             }
         };
-        // It parks idle again, adopts the send, or sends the rest.
-        o.wake_sender();
+        if res.is_ok() && o.adopted.is_empty() && o.buf.is_empty() && !o.close {
+            // Done, and nothing is left: the sender, which takes nothing
+            // while the writer sends, still has nothing in flight and stays
+            // parked, without a wake-up (on a multi-threaded runtime, often
+            // a whole thread woken for nothing).
+            o.idle = true;
+        } else {
+            // It adopts the send, sends the rest, or closes.
+            o.wake_sender();
+        }
         Poll::Ready(res)
     }
 
@@ -416,5 +451,46 @@ impl AsyncWrite for RdmxStream {
         o.close = true;
         o.wake_sender();
         Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmx_core::{Options, Transport};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Request and response, each small and flushed (a unary gRPC call):
+    /// each flush sends from the writing task and leaves the sender task
+    /// asleep (every one of them woke it before: a thread woken for nothing
+    /// on a multi-threaded runtime). Every byte is checked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_leaves_the_sender_asleep() {
+        const N: u32 = 200;
+        let t = rdmx_transport_tcp::TcpTransport::new();
+        let mut l = t.listen("127.0.0.1:0", &Options::default()).await.unwrap();
+        let addr = l.local_addr().to_string();
+        let (c, s) = tokio::join!(t.connect(&addr, &Options::default()), l.accept());
+        let (mut a, mut b) = (RdmxStream::new(c.unwrap()), RdmxStream::new(s.unwrap()));
+        let wakes = |x: &RdmxStream| x.out.lock().sender_wakes;
+        let (a0, b0) = (wakes(&a), wakes(&b));
+        for i in 0..N {
+            let mut got = [0u8; 4];
+            a.write_all(&i.to_le_bytes()).await.unwrap();
+            a.flush().await.unwrap();
+            b.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, i.to_le_bytes());
+            b.write_all(&got).await.unwrap();
+            b.flush().await.unwrap();
+            a.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, i.to_le_bytes());
+        }
+        let woken = wakes(&a) - a0 + wakes(&b) - b0;
+        eprintln!("{} flushes woke the sender tasks {woken} times", 2 * N);
+        assert!(
+            woken <= u64::from(N) / 5,
+            "{woken} wake-ups for {} flushes",
+            2 * N
+        );
     }
 }

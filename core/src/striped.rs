@@ -165,13 +165,15 @@ async fn poll_once<T>(f: &mut BoxFuture<'static, T>) -> Poll<T> {
     std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx))).await
 }
 
+/// A piece of [`join_in_order`]: the future while it runs, then its value.
+type Slot<T> = (Option<BoxFuture<'static, Result<T>>>, Option<T>);
+
 /// Run every future, polled in order (so each is posted before the next),
 /// and collect their results in order; the first error ends the wait.
 fn join_in_order<T: Send + 'static>(
     futs: Vec<BoxFuture<'static, Result<T>>>,
 ) -> BoxFuture<'static, Result<Vec<T>>> {
-    let mut slots: Vec<(Option<BoxFuture<'static, Result<T>>>, Option<T>)> =
-        futs.into_iter().map(|f| (Some(f), None)).collect();
+    let mut slots: Vec<Slot<T>> = futs.into_iter().map(|f| (Some(f), None)).collect();
     Box::pin(std::future::poll_fn(move |cx: &mut Context<'_>| {
         let mut busy = false;
         for (fut, out) in slots.iter_mut() {

@@ -376,7 +376,7 @@ pub(crate) struct Setup {
     pub(crate) domain: Domain,
     pub(crate) provider: Arc<dyn Provider>,
     pub(crate) qp_opts: QpOptions,
-    pub(crate) ours: Limits,
+    /// What both ends announced (our limits are `agreed.ours`).
     pub(crate) agreed: Agreed,
     pub(crate) max_inflight: u32,
     pub(crate) connect_timeout: std::time::Duration,
@@ -458,13 +458,13 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         domain,
         provider,
         qp_opts,
-        ours,
         agreed,
         max_inflight,
         connect_timeout,
         busy_poll,
         server,
     } = s;
+    let ours = agreed.ours;
     let local_addr = stream.local_addr().ok();
     let peer_addr = stream
         .peer_addr()

@@ -189,7 +189,6 @@ async fn establish(
         domain: opts.domain.clone(),
         provider,
         qp_opts: qp,
-        ours: agreed.ours,
         agreed,
         max_inflight: opts.max_inflight,
         connect_timeout: opts.connect_timeout,

@@ -125,7 +125,7 @@ impl Drop for TcpConnection {
 pub(crate) struct Setup {
     pub(crate) stream: TcpStream,
     pub(crate) domain: Domain,
-    pub(crate) ours: Limits,
+    /// What both ends announced (our limits are `agreed.ours`).
     pub(crate) agreed: Agreed,
     pub(crate) max_inflight: u32,
     pub(crate) busy_poll: Option<Duration>,
@@ -175,7 +175,7 @@ impl TcpConnection {
             domain: s.domain,
             stats,
             info,
-            ours: s.ours,
+            ours: s.agreed.ours,
             peer,
             busy_poll: s.busy_poll,
             wq: Mutex::new(WriteQueue {
@@ -201,8 +201,8 @@ impl TcpConnection {
                 queue: VecDeque::new(),
                 consumed_msgs: 0,
                 consumed_bytes: 0,
-                peer_msgs_left: u64::from(s.ours.credits),
-                peer_bytes_left: s.ours.window,
+                peer_msgs_left: u64::from(s.agreed.ours.credits),
+                peer_bytes_left: s.agreed.ours.window,
             }),
             recv_wake: Notify::new(),
             closed: Mutex::new(None),

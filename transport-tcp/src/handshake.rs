@@ -142,6 +142,15 @@ impl Limits {
         max_message: 4 << 10,
     };
 
+    /// The limits to announce on `lane`: [`Limits::EXTRA_LANE`] for a lane
+    /// other than lane 0, else these.
+    fn for_lane(self, lane: Option<LaneTag>) -> Limits {
+        match lane {
+            Some(t) if t.index > 0 => Limits::EXTRA_LANE,
+            _ => self,
+        }
+    }
+
     fn valid(&self) -> bool {
         self.credits >= 1 && self.window >= self.max_message
     }
@@ -207,10 +216,7 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     speaks: Speaks,
     lane: Option<LaneTag>,
 ) -> Result<Agreed> {
-    let ours = match lane {
-        Some(t) if t.index > 0 => Limits::EXTRA_LANE,
-        _ => ours,
-    };
+    let ours = ours.for_lane(lane);
     let nonce_c: [u8; 16] = rand::random();
     let mut hello = Vec::with_capacity(HELLO_LEN + LANE_TAG_LEN);
     hello.put_slice(MAGIC);
@@ -375,10 +381,7 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
     } else {
         None
     };
-    let ours = match lane {
-        Some(t) if t.index > 0 => Limits::EXTRA_LANE,
-        _ => ours,
-    };
+    let ours = ours.for_lane(lane);
     if Speaks::of(flags) != speaks {
         send_welcome(ST_TRANSPORT, [0; 32], 0, ours, &mut welcome);
         let _ = s.write_all(&welcome).await;

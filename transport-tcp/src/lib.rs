@@ -102,7 +102,6 @@ async fn establish(
     let raw = TcpConnection::start(Setup {
         stream,
         domain: opts.domain.clone(),
-        ours: agreed.ours,
         agreed,
         max_inflight: opts.max_inflight,
         busy_poll: opts.busy_poll,

@@ -7,8 +7,9 @@
 //! buffered starts its send itself (no task hop for a small message; the
 //! sender is not woken when that send completes at once), up to
 //! [`DIRECT_PER_TICK`] times until the stream's task reads again;
-//! otherwise the sender lets the scheduler tick finish first, so that everything written in that tick (HTTP/2 flushes
-//! after every 16 KiB frame) leaves as one message of up to [`CHUNK`] bytes.
+//! otherwise the sender lets the scheduler tick finish first, so that
+//! everything written in that tick (HTTP/2 flushes after every 16 KiB frame)
+//! leaves as one message of up to [`CHUNK`] bytes.
 //! The sender keeps up to [`MAX_SENDS`] messages ([`MAX_SENDING`] bytes) in
 //! flight, in order. A writer more than [`MAX_BUFFERED`] bytes ahead waits.
 //! A failed send fails the next write or flush.

@@ -109,7 +109,7 @@ for l in sys.stdin:
      $bin --ignored --test-threads=1" > "$OUT/conformance-hw.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/conformance-hw.log"
-  ((rc == 0)) && grep -q "test result: ok. 28 passed" "$OUT/conformance-hw.log"
+  ((rc == 0)) && grep -q "test result: ok. 30 passed" "$OUT/conformance-hw.log"
 }
 
 t_doctor() {

@@ -373,3 +373,109 @@ async fn dropped_reads_leave_the_queue_whole_over_tcp() {
 async fn dropped_reads_leave_the_queue_whole_over_soft_roce() {
     dropped_reads_leave_the_queue_whole("rdma").await;
 }
+
+/// The socket writes the target made on the connection from `host` (its
+/// per-connection counter, from the process's metrics text).
+fn target_socket_writes(host: &rdmx_core::Connection) -> u64 {
+    let peer = host.info().local_addr.expect("local address").to_string();
+    let text = rdmx_core::metrics::text(None);
+    let line = text
+        .lines()
+        .find(|l| {
+            l.starts_with("rdmx_connection_socket_writes_total{")
+                && l.contains(&format!("peer=\"{peer}\""))
+        })
+        .expect("the target's side of the connection");
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Capsules that arrive together are answered together: 16 Identify
+/// commands in one burst get their 16 data WRITEs and 16 responses in one
+/// `writev` (the queue corks while further capsules are already received),
+/// where it took one per command. Every answer is checked.
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_of_commands_is_answered_in_one_write() {
+    use futures_util::FutureExt;
+    use std::future::IntoFuture;
+    let (url, _t) = start("tcp").await;
+    let conn = transports()
+        .connect(&url, &Options::default())
+        .await
+        .unwrap();
+    let mut data = vec![0u8; 1024];
+    data[16..18].copy_from_slice(&0xFFFFu16.to_le_bytes());
+    data[256..256 + NQN.len()].copy_from_slice(NQN.as_bytes());
+    let host = b"nqn.2014-08.org.nvmexpress:uuid:burst-host";
+    data[512..512 + host.len()].copy_from_slice(host);
+    let connect = Sqe {
+        opcode: fabrics::OPCODE,
+        nsid: u32::from(fabrics::CONNECT),
+        flags: 0x40,
+        sgl: Sgl {
+            len: 1024,
+            id: sgl::DATA_BLOCK_OFFSET,
+            ..Sgl::default()
+        },
+        cdw: [0, 31, 0, 0, 0, 0],
+        ..Sqe::default()
+    };
+    assert_eq!(raw_command(&conn, connect, &data).await, Some(0));
+    let enable = Sqe {
+        opcode: fabrics::OPCODE,
+        nsid: u32::from(fabrics::PROPERTY_SET),
+        cid: 1,
+        flags: 0x40,
+        sgl: Sgl {
+            id: sgl::KEYED_ADDRESS,
+            ..Sgl::default()
+        },
+        cdw: [0, 0x14, 0x0046_0001, 0, 0, 0],
+        ..Sqe::default()
+    };
+    assert_eq!(raw_command(&conn, enable, &[]).await, Some(0));
+    const N: u16 = 16;
+    let mr = Options::default()
+        .domain
+        .register(usize::from(N) * 4096, rdmx_core::Access::REMOTE_WRITE);
+    let r = mr.remote();
+    let w0 = target_socket_writes(&conn);
+    {
+        let _cork = conn.cork();
+        for cid in 0..N {
+            let identify = Sqe {
+                opcode: admin::IDENTIFY,
+                cid,
+                flags: 0x40,
+                sgl: Sgl {
+                    addr: r.addr + u64::from(cid) * 4096,
+                    len: 4096,
+                    key: r.rkey,
+                    id: sgl::KEYED_ADDRESS,
+                },
+                cdw: [1, 0, 0, 0, 0, 0],
+                ..Sqe::default()
+            };
+            let send = conn.send(identify.encode().to_vec()).into_future();
+            send.now_or_never()
+                .expect("a send with credits posts at once")
+                .unwrap();
+        }
+    }
+    let mut seen = vec![false; usize::from(N)];
+    for _ in 0..N {
+        let cqe = conn.recv_message().await.unwrap();
+        let cid = u16::from_le_bytes([cqe[12], cqe[13]]);
+        assert_eq!(u16::from_le_bytes([cqe[14], cqe[15]]) >> 1, 0, "cid {cid}");
+        seen[usize::from(cid)] = true;
+    }
+    assert!(seen.iter().all(|&s| s));
+    let writes = target_socket_writes(&conn) - w0;
+    // Identify Controller: the subsystem NQN at bytes 768..1024, in every slot.
+    let mem = mr.read();
+    for cid in 0..usize::from(N) {
+        let nqn = &mem[cid * 4096 + 768..cid * 4096 + 768 + NQN.len()];
+        assert_eq!(nqn, NQN.as_bytes(), "slot {cid}");
+    }
+    eprintln!("{N} commands in one burst: {writes} target writes");
+    assert!(writes <= 2, "{N} commands took {writes} target writes");
+}

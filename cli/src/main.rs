@@ -42,6 +42,11 @@ use clap::{Parser, Subcommand};
     after_help = "Logs: RDMX_LOG=debug|info|warn (default warn), on stderr."
 )]
 struct Cli {
+    /// Worker threads of the async runtime. 1 keeps every wake-up on one
+    /// thread (no hand-over between threads): the lowest latency where a
+    /// server shares a few cores with its clients
+    #[arg(long, global = true, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    threads: u16,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -96,7 +101,7 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(usize::from(cli.threads))
         .enable_all()
         .build()
         .expect("tokio runtime");

@@ -916,6 +916,53 @@ impl Suite {
         assert_eq!(&m[..], b"in step");
     }
 
+    /// A cork (`Connection::cork`): what is posted under it (sends, a
+    /// write-then-send, nested corks) arrives whole and in order once the
+    /// last cork drops, the written data before its message; a transport
+    /// that cannot hold operations sends them at once, with the same result.
+    pub async fn cork_holds_a_burst(&self) {
+        use futures_util::FutureExt;
+        let p = self.pair().await;
+        let mr = p.server_opts.domain.register(4096, Access::REMOTE_WRITE);
+        let data = pattern(91, 4096);
+        let mut posted = Vec::new();
+        {
+            let outer = p.client.cork();
+            for i in 0..8u8 {
+                let inner = (i == 3).then(|| p.client.cork());
+                // Post in order: each polled once, awaited after the cork.
+                let mut op = p.client.send(vec![i; usize::from(i) + 1]).into_future();
+                if (&mut op).now_or_never().is_none() {
+                    posted.push(op);
+                }
+                drop(inner);
+            }
+            let mut op = p
+                .client
+                .write_then_send(data.clone(), mr.remote(), sha(&data).to_vec())
+                .into_future();
+            if let Some(r) = (&mut op).now_or_never() {
+                r.unwrap();
+            } else {
+                posted.push(op);
+            }
+            drop(outer);
+        }
+        for op in posted {
+            op.await.unwrap();
+        }
+        for i in 0..8u8 {
+            let m = p.server.recv_message().await.unwrap();
+            assert_eq!(&m[..], &vec![i; usize::from(i) + 1][..], "message {i}");
+        }
+        let m = p.server.recv_message().await.unwrap();
+        assert_eq!(&m[..], &sha(&mr.read()[..])[..], "message before its data");
+        assert_eq!(&m[..], &sha(&data)[..]);
+        // Uncorked again: a lone send goes at once.
+        p.client.send(&b"after"[..]).await.unwrap();
+        assert_eq!(&p.server.recv_message().await.unwrap()[..], b"after");
+    }
+
     /// Graceful close: the peer's receive ends with `Disconnected`, later
     /// operations on either side fail cleanly.
     pub async fn graceful_close(&self) {
@@ -1120,7 +1167,8 @@ macro_rules! conformance_tests {
             message_order_and_boundaries, read_write_edges, access_violations,
             atomics_under_contention, large_transfer, many_in_flight,
             peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
-            write_with_immediate, write_then_send, graceful_close, deadlines_and_counters);
+            write_with_immediate, write_then_send, cork_holds_a_burst, graceful_close,
+            deadlines_and_counters);
     };
     (@cases $make:expr; $attrs:tt; $case:ident $(, $rest:ident)*) => {
         $crate::conformance_tests!(@one $make; $attrs; $case);

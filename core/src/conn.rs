@@ -159,6 +159,13 @@ pub trait RawConnection: Send + Sync + 'static {
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>>;
     /// Close gracefully: the peer sees a clean disconnect.
     fn close(&self) -> BoxFuture<'static, Result<()>>;
+    /// Hold what is posted from now on until the matching
+    /// [`RawConnection::uncork`], so that it leaves together (TCP: one
+    /// `writev`, as Linux's `TCP_CORK`). Corks nest. A transport that
+    /// cannot hold its operations (the default) ignores it.
+    fn cork(&self) {}
+    /// End one [`RawConnection::cork`]; the last one sends what was held.
+    fn uncork(&self) {}
 }
 
 /// A write must fill its remote range exactly.
@@ -571,6 +578,44 @@ impl Connection {
         self.op(OpKind::Atomic, 8, self.raw.atomic(dst, op))
     }
 
+    /// Hold what this connection sends from now on until the returned guard
+    /// drops, then send it together: a server answering a burst of requests
+    /// corks, posts every answer, and uncorks, paying one system call (TCP:
+    /// one `writev`) for the burst instead of one per answer. Guards nest;
+    /// the last one to drop sends.
+    ///
+    /// Only post while corked: an operation awaited to its end inside the
+    /// cork waits for frames the cork holds (a write's acknowledgement, a
+    /// credit the peer returns for a held message). Transports that cannot
+    /// hold operations send them as usual. A cork holds at most one
+    /// `writev`'s worth of frames (64 on TCP); more leave at once.
+    ///
+    /// An operation posts when its future is first polled, so poll the
+    /// answers' futures while corked, as a server driving its handlers in a
+    /// `FuturesUnordered` does:
+    ///
+    /// ```no_run
+    /// # async fn f(conn: rdmx_core::Connection, answers: Vec<bytes::Bytes>) {
+    /// use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
+    /// use std::future::IntoFuture;
+    /// let mut sends: FuturesUnordered<_> =
+    ///     answers.into_iter().map(|a| conn.send(a).into_future()).collect();
+    /// let cork = conn.cork();
+    /// // Post every send (polling each until it waits), then let them go.
+    /// while let Some(Some(r)) = sends.next().now_or_never() {
+    ///     r.unwrap();
+    /// }
+    /// drop(cork); // one writev on TCP
+    /// while let Some(r) = sends.next().await {
+    ///     r.unwrap();
+    /// }
+    /// # }
+    /// ```
+    pub fn cork(&self) -> Cork<'_> {
+        self.raw.cork();
+        Cork { conn: self }
+    }
+
     /// Close gracefully. Other clones see [`Error::Disconnected`] afterwards.
     pub fn close(&self) -> Op<()> {
         self.op(OpKind::Close, 0, self.raw.close())
@@ -578,5 +623,24 @@ impl Connection {
 
     fn failed<T: Send + 'static>(&self, kind: OpKind, e: Error) -> Op<T> {
         self.op(kind, 0, Box::pin(async move { Err(e) }))
+    }
+}
+
+/// Holds a [`Connection`]'s outgoing frames while it lives (see
+/// [`Connection::cork`]); dropping it sends them.
+#[must_use = "a cork holds frames only while it lives"]
+pub struct Cork<'a> {
+    conn: &'a Connection,
+}
+
+impl fmt::Debug for Cork<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cork").field("conn", self.conn).finish()
+    }
+}
+
+impl Drop for Cork<'_> {
+    fn drop(&mut self) {
+        self.conn.raw.uncork();
     }
 }

@@ -456,6 +456,18 @@ impl RawConnection for StripedConnection {
             result
         })
     }
+
+    fn cork(&self) {
+        for l in self.inner.lanes.iter() {
+            l.cork();
+        }
+    }
+
+    fn uncork(&self) {
+        for l in self.inner.lanes.iter() {
+            l.uncork();
+        }
+    }
 }
 
 /// Poll helper kept for tests of the fence.

@@ -22,13 +22,19 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use crate::frame::{
-    Header, Kind, OutFrame, FLAG_FAA, FLAG_IMM, FLAG_LAST, HEADER_LEN, MAX_PIECE, STATUS_OK,
+    Header, Kind, OutFrame, FLAG_ACK_LATER, FLAG_FAA, FLAG_IMM, FLAG_LAST, HEADER_LEN, MAX_PIECE,
+    STATUS_OK,
 };
 use crate::handshake::{Agreed, Limits};
 use rdmx_core::pool;
 
 /// Frames carried by one `writev`.
 const MAX_IOV: usize = 64;
+/// How long a held write acknowledgement ([`FLAG_ACK_LATER`]) waits for
+/// another frame to leave with, at most.
+const ACK_DELAY: Duration = Duration::from_millis(1);
+/// Held acknowledgements that leave on their own, without waiting longer.
+const MAX_HELD: usize = 32;
 /// Read bytes one connection may have outstanding. This bounds what the peer
 /// must queue for our read responses, as RDMA bounds outstanding READs
 /// (the QP attribute max_rd_atomic), so no responder needs to stop reading its socket.
@@ -44,11 +50,19 @@ pub(crate) const MAX_RDMA_SIZE: u64 = 1 << 31;
 
 struct WriteQueue {
     frames: VecDeque<OutFrame>,
+    /// Of `frames`, acknowledgements held back to leave with the next frame
+    /// sent ([`FLAG_ACK_LATER`]); alone, they do not make anyone write
+    /// until [`ACK_DELAY`] passes.
+    held: usize,
     /// Someone (a direct writer or the writer task) owns the socket's write side.
     busy: bool,
-    /// The reader is answering a burst of buffered requests: answers queue
-    /// and leave together when the burst ends ([`Shared::uncork`]).
-    corked: bool,
+    /// Corks held: the reader's while it answers a burst of buffered
+    /// requests, and the application's ([`Connection::cork`]). While any is
+    /// held, frames queue and leave together when the last one ends
+    /// ([`Shared::uncork`]).
+    ///
+    /// [`Connection::cork`]: rdmx_core::Connection::cork
+    corks: u32,
     /// The writer task was woken to flush requests queued behind others in
     /// flight: it lets the scheduler tick finish first, so that every request
     /// made in that tick leaves in the same `writev`.
@@ -180,8 +194,9 @@ impl TcpConnection {
             busy_poll: s.busy_poll,
             wq: Mutex::new(WriteQueue {
                 frames: VecDeque::new(),
+                held: 0,
                 busy: false,
-                corked: false,
+                corks: 0,
                 deferred: false,
                 closed: false,
             }),
@@ -264,29 +279,84 @@ impl Shared {
             drop(q);
             return Err(self.disconnected());
         }
-        if q.busy || q.corked {
+        if q.busy || q.corks > 0 {
             q.frames.push_back(make());
+            self.send_if_overfull(q);
+            return Ok(false);
+        }
+        if !q.frames.is_empty() {
+            // Held acknowledgements ride along.
+            q.frames.push_back(make());
+            q.held = 0;
+            self.send_queued(q);
             return Ok(false);
         }
         q.busy = true;
         Ok(true)
     }
 
-    /// Hold answers back while the reader serves a burst of buffered requests.
-    fn cork(&self) {
-        self.wq.lock().corked = true;
+    /// Hold a write's success answer back until another frame leaves (or
+    /// [`ACK_DELAY`] passes): see [`FLAG_ACK_LATER`].
+    fn hold_ack(&self, frame: OutFrame) -> Result<()> {
+        let mut q = self.wq.lock();
+        if q.closed {
+            drop(q);
+            return Err(self.disconnected());
+        }
+        q.frames.push_back(frame);
+        q.held += 1;
+        if q.held >= MAX_HELD {
+            q.held = 0;
+            if q.corks == 0 {
+                self.send_queued(q);
+            }
+        }
+        Ok(())
     }
 
-    /// End a burst: what was queued meanwhile goes out in as few `writev`s as
-    /// the socket takes (Redis's "write before sleep": nothing waits on a
-    /// socket read while answers sit in the queue).
+    /// Send held acknowledgements now (their delay is up).
+    fn send_held(&self) {
+        let mut q = self.wq.lock();
+        if q.corks == 0 {
+            q.held = 0;
+            self.send_queued(q);
+        }
+    }
+
+    /// Hold frames back (the reader, while it serves a burst of buffered
+    /// requests; the application, see [`Shared::corks`]).
+    fn cork(&self) {
+        self.wq.lock().corks += 1;
+    }
+
+    /// End one cork; the last one sends what was queued meanwhile, in as few
+    /// `writev`s as the socket takes (Redis's "write before sleep": nothing
+    /// waits on a socket read while answers sit in the queue).
     fn uncork(&self) {
         let mut q = self.wq.lock();
-        q.corked = false;
-        if q.busy || q.closed || q.frames.is_empty() {
+        q.corks = q.corks.saturating_sub(1);
+        if q.corks > 0 {
+            return;
+        }
+        self.send_queued(q);
+    }
+
+    /// A cork holds at most one `writev`'s worth of frames: past that, what
+    /// is queued leaves at once (cork or not).
+    fn send_if_overfull(&self, q: parking_lot::MutexGuard<'_, WriteQueue>) {
+        if q.corks > 0 && q.frames.len() >= MAX_IOV {
+            self.send_queued(q);
+        }
+    }
+
+    /// Send what is queued (unless it is only held acknowledgements, or
+    /// someone else holds the write side).
+    fn send_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
+        if q.busy || q.closed || q.frames.len() <= q.held {
             return;
         }
         q.busy = true;
+        q.held = 0;
         let mut batch = std::mem::take(&mut q.frames);
         drop(q);
         let res = write_some(&self.stream, &self.stats, &mut batch);
@@ -303,7 +373,8 @@ impl Shared {
             return Err(self.disconnected());
         }
         q.frames.push_back(frame);
-        if q.busy || q.corked {
+        if q.busy || q.corks > 0 {
+            self.send_if_overfull(q);
             return Ok(());
         }
         q.busy = true;
@@ -326,9 +397,11 @@ impl Shared {
         for f in rest.rev() {
             q.frames.push_front(f);
         }
-        if q.frames.is_empty() {
+        if q.frames.len() <= q.held {
+            // Nothing, or only acknowledgements held meanwhile.
             q.busy = false;
         } else {
+            q.held = 0;
             drop(q);
             self.writer_wake.notify_one();
         }
@@ -359,8 +432,16 @@ impl Shared {
                 drop(q);
                 return Err(self.disconnected());
             }
-            if q.busy || q.corked {
+            if q.busy || q.corks > 0 {
                 q.frames.extend(frames);
+                self.send_if_overfull(q);
+                return Ok(());
+            }
+            if !q.frames.is_empty() {
+                // Held acknowledgements ride along.
+                q.frames.extend(frames);
+                q.held = 0;
+                self.send_queued(q);
                 return Ok(());
             }
             q.busy = true;
@@ -418,6 +499,7 @@ impl Shared {
                     if q.closed {
                         return;
                     }
+                    q.held = 0;
                     while batch.len() < MAX_IOV {
                         match q.frames.pop_front() {
                             Some(f) => batch.push_back(f),
@@ -585,7 +667,18 @@ impl Shared {
                 return Ok(());
             }
         }
-        self.stream.readable().await
+        if self.wq.lock().held == 0 {
+            return self.stream.readable().await;
+        }
+        // Held acknowledgements leave on their own if nothing else goes
+        // before their delay is up.
+        match tokio::time::timeout(ACK_DELAY, self.stream.readable()).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.send_held();
+                Ok(())
+            }
+        }
     }
 
     async fn reader(self: Arc<Self>) {
@@ -786,6 +879,12 @@ impl Shared {
                 0,
             )?;
         }
+        if res.is_ok() && h.flags & FLAG_ACK_LATER != 0 {
+            self.served(Ok(()));
+            let mut ack = Header::new(Kind::Resp);
+            ack.id = h.id;
+            return self.hold_ack(OutFrame::new(ack, Bytes::new()));
+        }
         self.respond(h.id, res.map(|()| (0, Bytes::new())))
     }
 
@@ -940,6 +1039,8 @@ impl Shared {
             h.rkey = dst.rkey;
             h.a = dst.len;
             h.b = off;
+            // A message follows: nothing waits on the answer but this call.
+            h.flags |= FLAG_ACK_LATER;
             if off + plen == dst.len {
                 h.flags |= FLAG_LAST;
             }
@@ -1308,6 +1409,14 @@ impl RawConnection for TcpConnection {
 
     fn close(&self) -> BoxFuture<'static, Result<()>> {
         Box::pin(self.shared.clone().close())
+    }
+
+    fn cork(&self) {
+        self.shared.cork();
+    }
+
+    fn uncork(&self) {
+        self.shared.uncork();
     }
 }
 

@@ -52,6 +52,13 @@ pub const FLAG_IMM: u8 = 1;
 pub const FLAG_LAST: u8 = 2;
 /// Atomic: fetch-and-add (otherwise compare-and-swap).
 pub const FLAG_FAA: u8 = 4;
+/// Write: the requester does not wait on this piece's acknowledgement (a
+/// message follows it, as in `write_then_send`), so the responder may hold a
+/// success answer back until it sends something else, for at most
+/// 1 ms (an RC responder's coalesced ACKs, IBTA 9.7.5.1).
+/// A refusal is answered at once. A peer that ignores the flag answers at
+/// once, as before.
+pub const FLAG_ACK_LATER: u8 = 8;
 
 /// Response status: success.
 pub const STATUS_OK: u8 = 0;

@@ -578,3 +578,111 @@ async fn a_message_that_arrives_alone_costs_one_read() {
         "{reads} reads for {N} one-sided reads"
     );
 }
+
+/// A cork holds what is posted under it; dropping it sends the lot in one
+/// `writev`, in order (40 messages: one system call, where uncorked they
+/// take one each). Without the cork the same sends cost one write each.
+#[tokio::test(flavor = "current_thread")]
+async fn a_cork_sends_a_burst_in_one_write() {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    use futures_util::FutureExt;
+    const N: u32 = 40;
+    let opts = Options::default();
+    let (mut l, addr) = listen(&opts).await;
+    let (c, s) = tokio::join!(TcpTransport::new().connect(&addr, &opts), l.accept());
+    let (c, s) = (c.unwrap(), s.unwrap());
+    for corked in [true, false] {
+        let w0 = c.stats().socket_writes;
+        let mut sends: FuturesUnordered<_> = (0..N)
+            .map(|i| c.send(i.to_le_bytes().to_vec()).into_future())
+            .collect();
+        let cork = corked.then(|| c.cork());
+        while let Some(Some(r)) = sends.next().now_or_never() {
+            r.unwrap();
+        }
+        if corked {
+            assert_eq!(c.stats().socket_writes - w0, 0, "a frame left while corked");
+        }
+        drop(cork);
+        while let Some(r) = sends.next().await {
+            r.unwrap();
+        }
+        let writes = c.stats().socket_writes - w0;
+        for i in 0..N {
+            assert_eq!(&s.recv_message().await.unwrap()[..], i.to_le_bytes());
+        }
+        eprintln!("{N} sends, corked {corked}: {writes} writes");
+        if corked {
+            assert_eq!(writes, 1, "{N} corked sends took {writes} writes");
+        } else {
+            assert_eq!(writes, u64::from(N), "uncorked sends are not batched");
+        }
+    }
+}
+
+/// `write_then_send` asks for its write's acknowledgement later: the
+/// receiver sends it with its next frame instead of on its own. A ping-pong
+/// of write-then-send against a reply costs the receiver one write per
+/// exchange (it took two: the acknowledgement, then the reply), every byte
+/// checked. With nothing to ride with, the acknowledgement leaves on its
+/// own after its delay, and a refused write is still answered at once.
+#[tokio::test(flavor = "current_thread")]
+async fn write_acknowledgements_ride_with_the_next_frame() {
+    const N: u32 = 100;
+    let opts = Options::default();
+    let mr = opts.domain.register(4096, Access::ALL);
+    let (mut l, addr) = listen(&opts).await;
+    let (c, s) = tokio::join!(TcpTransport::new().connect(&addr, &opts), l.accept());
+    let (c, s) = (c.unwrap(), s.unwrap());
+    let dst = mr.remote().slice(0, 4096).unwrap();
+    let w0 = s.stats().socket_writes;
+    for i in 0..N {
+        let data = vec![i as u8; 4096];
+        let (wts, reply) = tokio::join!(
+            c.write_then_send(data, dst, i.to_le_bytes().to_vec())
+                .into_future(),
+            async {
+                let m = s.recv_message().await.unwrap();
+                assert_eq!(&m[..], i.to_le_bytes());
+                assert!(
+                    mr.read().iter().all(|&b| b == i as u8),
+                    "data after message"
+                );
+                s.send(m).await.unwrap();
+                c.recv_message().await.unwrap()
+            }
+        );
+        wts.unwrap();
+        assert_eq!(&reply[..], i.to_le_bytes());
+    }
+    let writes = s.stats().socket_writes - w0;
+    eprintln!("{N} write-then-send exchanges: {writes} writes by the receiver");
+    assert!(
+        writes <= u64::from(N) + u64::from(N) / 10,
+        "the receiver made {writes} writes for {N} replies"
+    );
+    // Nothing to ride with: it completes after the delay, well within a second.
+    let t = std::time::Instant::now();
+    c.write_then_send(
+        vec![9u8; 8],
+        mr.remote().slice(0, 8).unwrap(),
+        b"x".to_vec(),
+    )
+    .timeout(std::time::Duration::from_secs(1))
+    .await
+    .unwrap();
+    assert_eq!(&s.recv_message().await.unwrap()[..], b"x");
+    eprintln!("a lone write-then-send completed in {:?}", t.elapsed());
+    // A refusal is not held.
+    let ro = opts.domain.register(64, Access::REMOTE_READ);
+    let e = c
+        .write_then_send(
+            vec![1u8; 8],
+            ro.remote().slice(0, 8).unwrap(),
+            b"y".to_vec(),
+        )
+        .timeout(std::time::Duration::from_millis(500))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::RemoteAccess(_)), "refused write: {e}");
+}

@@ -321,6 +321,13 @@ impl QueueConn {
     }
 }
 
+/// Holds an [`Initiator`]'s outgoing capsules while it lives (see
+/// [`Initiator::cork`]).
+#[must_use = "a cork holds capsules only while it lives"]
+pub struct InitiatorCork<'a> {
+    _queues: Vec<rdmx_core::Cork<'a>>,
+}
+
 /// A remote namespace as an async block device, over NVMe over rdmx.
 ///
 /// ```no_run
@@ -540,6 +547,18 @@ impl Initiator {
     /// Never more than `queues × queue_depth`.
     pub fn outstanding(&self) -> usize {
         self.io.iter().map(|q| q.pending.lock().len()).sum()
+    }
+
+    /// Hold the capsules of the commands posted from now on until the
+    /// returned guard drops, then send them together (one `writev` per
+    /// queue on TCP; see [`rdmx_core::Connection::cork`]). A command posts
+    /// its capsule when its future is first polled: poll the commands of a
+    /// burst once while corked, and await them only after the guard is gone
+    /// (a command awaited inside the cork waits for a capsule it holds).
+    pub fn cork(&self) -> InitiatorCork<'_> {
+        InitiatorCork {
+            _queues: self.io.iter().map(|q| q.conn.cork()).collect(),
+        }
     }
 
     fn queue(&self) -> &QueueConn {

@@ -16,5 +16,5 @@
 mod initiator;
 mod server;
 
-pub use initiator::{BlockError, Initiator, InitiatorConfig};
+pub use initiator::{BlockError, Initiator, InitiatorConfig, InitiatorCork};
 pub use server::{queue, serve};

@@ -5,8 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use std::future::IntoFuture;
+
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use rdmx_core::{Connection, Error, Listener, RemoteRegion};
+use futures_util::FutureExt;
+use rdmx_core::{Connection, Cork, Error, Listener, RemoteRegion};
 
 use crate::nvme::command::{fabrics, sgl, Completion, Direction, Sqe, SQE_LEN};
 use crate::nvme::identify::{MAX_IN_CAPSULE, MAX_TRANSFER};
@@ -44,26 +47,43 @@ pub async fn serve(mut listener: Listener, target: Arc<Target>) {
 ///
 /// The queue's task runs its commands itself, many at once (no task per
 /// command): a command's completion leaves without a hop between tasks.
+/// Capsules that arrive together are answered together: while further
+/// capsules are already received, the connection stays corked, and the
+/// answers of the whole burst leave in one `writev` (on TCP) before the task
+/// waits again.
 pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     let conn = Arc::new(conn);
     let mut q = Queue::new(None);
     let mut queue: Option<Arc<Queue>> = None;
     let mut inflight = FuturesUnordered::new();
     let sqhd = Arc::new(AtomicU32::new(0));
+    let mut cork: Option<Cork<'_>> = None;
     let result = loop {
-        let gone = Queue::controller_gone(queue.as_deref());
+        // Let every command that can go on post its answer.
+        while let Some(Some(())) = inflight.next().now_or_never() {}
         // recv_message is cancel-safe: a message is taken whole or not at all.
-        let msg = tokio::select! {
-            biased;
-            Some(()) = inflight.next(), if !inflight.is_empty() => continue,
-            m = conn.recv_message() => m,
-            _ = gone => break Ok(()),
+        let msg = match conn.recv_message().into_future().now_or_never() {
+            Some(m) => m,
+            None => {
+                // Nothing more has come: the burst's answers leave now.
+                cork = None;
+                let gone = Queue::controller_gone(queue.as_deref());
+                tokio::select! {
+                    biased;
+                    Some(()) = inflight.next(), if !inflight.is_empty() => continue,
+                    m = conn.recv_message() => m,
+                    _ = gone => break Ok(()),
+                }
+            }
         };
         let msg = match msg {
             Ok(m) => m,
             Err(Error::Disconnected(_)) => break Ok(()),
             Err(e) => break Err(e),
         };
+        if cork.is_none() && queue.is_some() {
+            cork = Some(conn.cork());
+        }
         if msg.len() < SQE_LEN || msg.len() > SQE_LEN + MAX_IN_CAPSULE as usize {
             target.stats.protocol_errors.fetch_add(1, Relaxed);
             break Err(Error::Protocol(format!(
@@ -132,6 +152,7 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     };
     // Commands still running are dropped with the queue (the host's
     // connection is gone or broke the protocol).
+    drop(cork);
     drop(inflight);
     match &queue {
         Some(qa) => target.queue_closed(qa),

@@ -127,63 +127,85 @@ where
     };
     let mut inflight = FuturesUnordered::new();
     let mut reading = true;
+    // Held while requests keep coming: their NVMe capsules leave together.
+    let mut cork = None;
     loop {
-        tokio::select! {
-            biased;
-            Some(first) = inflight.next(), if !inflight.is_empty() => {
-                write_reply(&mut wr, first, structured).await?;
-                // Whatever else is done leaves in the same write.
+        // Requests already read (buffered, or readable at once) are taken
+        // without waiting.
+        let ready = if reading && inflight.len() < MAX_INFLIGHT {
+            reader.next().now_or_never()
+        } else {
+            None
+        };
+        let next = match ready {
+            Some(next) => next,
+            None => {
+                // A lull: replies and capsules of the burst leave now.
                 while let Some(Some(rep)) = inflight.next().now_or_never() {
                     write_reply(&mut wr, rep, structured).await?;
                 }
+                cork = None;
                 wr.flush().await?;
-            }
-            next = reader.next(), if reading && inflight.len() < MAX_INFLIGHT => {
-                let (r, payload) = match next {
-                    Ok(Next::Request(r, _)) if r.kind == cmd::DISC => {
-                        reading = false;
+                tokio::select! {
+                    biased;
+                    Some(first) = inflight.next(), if !inflight.is_empty() => {
+                        write_reply(&mut wr, first, structured).await?;
                         continue;
                     }
-                    Ok(Next::Request(r, p)) => (r, p),
-                    Ok(Next::Oversize(r)) => {
-                        let rep = failed(&r, errno::EOVERFLOW, "write above the maximum payload");
-                        write_reply(&mut wr, rep, structured).await?;
-                        wr.flush().await?;
-                        continue;
-                    }
-                    // fio ends with a plain EOF, no DISC.
-                    Ok(Next::End) => {
-                        reading = false;
-                        continue;
-                    }
-                    Err(e) => {
-                        // Answer what is in flight, then report.
-                        while let Some(rep) = inflight.next().await {
-                            write_reply(&mut wr, rep, structured).await?;
-                        }
-                        wr.flush().await?;
-                        return Err(e);
-                    }
-                };
-                if let Err((e, m)) = check(&r, size, bs, meta) {
-                    write_reply(&mut wr, failed(&r, e, m), structured).await?;
-                    wr.flush().await?;
-                    continue;
+                    next = reader.next(), if reading && inflight.len() < MAX_INFLIGHT => next,
+                    else => break,
                 }
-                let dev = dev.clone();
-                inflight.push(async move {
-                    let result = run(&dev, &r, payload, size).await;
-                    Reply {
-                        cookie: r.cookie,
-                        kind: r.kind,
-                        offset: r.offset,
-                        result,
-                    }
-                });
             }
-            else => break,
+        };
+        if cork.is_none() {
+            cork = Some(dev.cork());
+        }
+        let (r, payload) = match next {
+            Ok(Next::Request(r, _)) if r.kind == cmd::DISC => {
+                reading = false;
+                continue;
+            }
+            Ok(Next::Request(r, p)) => (r, p),
+            Ok(Next::Oversize(r)) => {
+                let rep = failed(&r, errno::EOVERFLOW, "write above the maximum payload");
+                write_reply(&mut wr, rep, structured).await?;
+                continue;
+            }
+            // fio ends with a plain EOF, no DISC.
+            Ok(Next::End) => {
+                reading = false;
+                continue;
+            }
+            Err(e) => {
+                // Answer what is in flight, then report.
+                drop(cork);
+                while let Some(rep) = inflight.next().await {
+                    write_reply(&mut wr, rep, structured).await?;
+                }
+                wr.flush().await?;
+                return Err(e);
+            }
+        };
+        if let Err((e, m)) = check(&r, size, bs, meta) {
+            write_reply(&mut wr, failed(&r, e, m), structured).await?;
+            continue;
+        }
+        let dev2 = dev.clone();
+        inflight.push(async move {
+            let result = run(&dev2, &r, payload, size).await;
+            Reply {
+                cookie: r.cookie,
+                kind: r.kind,
+                offset: r.offset,
+                result,
+            }
+        });
+        // Post its capsule (into the cork), and take what has finished.
+        while let Some(Some(rep)) = inflight.next().now_or_never() {
+            write_reply(&mut wr, rep, structured).await?;
         }
     }
+    drop(cork);
     wr.flush().await
 }
 

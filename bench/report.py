@@ -448,6 +448,10 @@ if any(kv.values()):
       "every system alike.\n")
     w(f"Commands: `{cmd('kv_gw_tcp_P1')}` (gateway; likewise `-P 16`, and for rdma:// nodes), "
       f"`{cmd('kv_redis_P1')}`, `{cmd('kv_memcached_P1')}`.\n")
+    servers = read("kv_servers", "cmds")
+    if servers:
+        w("The rdmx nodes and gateway (tcp:// run, then rdma://), each its own process:\n")
+        w("```\n" + servers.strip() + "\n```\n")
     w("| system | P | SET ops/s | SET p50 ms | SET p99 ms | GET ops/s | GET p50 ms | GET p99 ms |")
     w("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, _, _ in kv_systems:
@@ -544,13 +548,24 @@ BLOCK_JOBS = [("rr4k_qd1", "4k randread qd1"), ("rr4k_qd32", "4k randread qd32")
               ("rw4k_qd1", "4k randwrite qd1"), ("rw4k_qd32", "4k randwrite qd32"),
               ("seq128k_qd32", "128k read qd32")]
 BLOCK_SERVERS = [("rdmx_tcp", "rdmx NBD, NVMe over rdmx tcp://"), ("rdmx_rdma", "rdmx NBD, NVMe over rdmx rdma://"),
+                 ("rdmx_tcp_poll", "rdmx NBD, NVMe over rdmx tcp://, busy-poll 100 µs"),
                  ("qemu_nbd", "qemu-nbd (tmpfs file)"), ("nbdkit", "nbdkit memory")]
+RDMX_BLOCK = [s for s, _ in BLOCK_SERVERS if s.startswith("rdmx_")]
 reps = sorted({int(n.rsplit("_r", 1)[1].split(".")[0]) for n in os.listdir(OUT) if n.startswith("block_fio_") and n.endswith(".out")})
 if reps:
     w("## Block storage: fio's nbd engine against rdmx, qemu-nbd and nbdkit\n")
     w(f"1 GiB of RAM behind each server, 127.0.0.1; {len(reps)} interleaved round(s); "
       "median IOPS (spread = (max − min) / median over the rounds) and median of the per-round p50 latencies.\n")
     w("```\n" + (cmd(f"block_fio_rdmx_rdma_rr4k_qd32_r{reps[0]}") or "") + "\n```\n")
+    servers = read("block_servers", "cmds")
+    if servers:
+        w("The rdmx target and NBD export of each rdmx column (each its own process):\n")
+        w("```")
+        for line in servers.strip().splitlines():
+            _, scmd, ncmd = line.split("|")
+            w(scmd.strip())
+            w(ncmd.strip())
+        w("```\n")
     w("| workload | " + " | ".join(label for _, label in BLOCK_SERVERS) + " |")
     w("|---|" + "---:|" * len(BLOCK_SERVERS))
     block = {}
@@ -589,7 +604,7 @@ if reps:
     w("|---|---|---|")
     q32, k32 = block.get(("qemu_nbd", "rr4k_qd32")), block.get(("nbdkit", "rr4k_qd32"))
     q1 = block.get(("qemu_nbd", "rr4k_qd1"))
-    for server, label in BLOCK_SERVERS[:2]:
+    for server, label in BLOCK_SERVERS[:len(RDMX_BLOCK)]:
         r32, r1 = block.get((server, "rr4k_qd32")), block.get((server, "rr4k_qd1"))
         if r32 and q32 and r32[0] and q32[0]:
             target(f"{label}: 4k randread qd32 IOPS ≥ 1.5 × qemu-nbd",

@@ -157,15 +157,23 @@ if need redis-server && need redis-benchmark && need memcached; then
   freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
   if [ -n "${QUICK:-}" ]; then KVN=20000; KVKEYS=50000; KVDUR=500; else KVN=200000; KVKEYS=1000000; KVDUR=3000; fi
   waitport() { for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+  # Nodes and gateway run one worker thread each (--threads 1), as
+  # redis-server runs one: they share this VM's two cores with the load
+  # generator, and one thread keeps every wake-up on it.
+  : > "$OUT/kv_servers.cmds"
   for scheme in tcp rdma; do
     P1=$(freeport); P2=$(freeport); GW=$(freeport)
-    $RDMX kv server --listen $scheme://127.0.0.1:$P1 --memory 256m > "$OUT/kv_node1_$scheme.log" 2>&1 &
+    n1cmd="$RDMX --threads 1 kv server --listen $scheme://127.0.0.1:$P1 --memory 256m"
+    n2cmd="$RDMX --threads 1 kv server --listen $scheme://127.0.0.1:$P2 --memory 256m"
+    $n1cmd > "$OUT/kv_node1_$scheme.log" 2>&1 &
     N1=$!
-    $RDMX kv server --listen $scheme://127.0.0.1:$P2 --memory 256m > "$OUT/kv_node2_$scheme.log" 2>&1 &
+    $n2cmd > "$OUT/kv_node2_$scheme.log" 2>&1 &
     N2=$!
     waitport $P1 && waitport $P2
     NODES=$scheme://127.0.0.1:$P1,$scheme://127.0.0.1:$P2
-    $RDMX kv resp --listen 127.0.0.1:$GW --nodes $NODES > "$OUT/kv_gw_$scheme.log" 2>&1 &
+    gcmd="$RDMX --threads 1 kv resp --listen 127.0.0.1:$GW --nodes $NODES"
+    printf '%s\n%s\n%s\n' "$n1cmd" "$n2cmd" "$gcmd" >> "$OUT/kv_servers.cmds"
+    $gcmd > "$OUT/kv_gw_$scheme.log" 2>&1 &
     G=$!
     waitport $GW
     for P in 1 16; do
@@ -230,17 +238,27 @@ if need fio && need qemu-nbd && need nbdkit; then
   if [ -n "${QUICK:-}" ]; then BRT=1; REPS=1; else BRT=5; REPS=3; fi
   BPIDS=()
   declare -A BURI BFAB
-  for scheme in tcp rdma; do
+  # The rdmx processes run one worker thread each (--threads 1): they share
+  # this VM's two cores with fio and each other, and one thread keeps every
+  # wake-up on it (qemu-nbd's main loop is single-threaded too). A third
+  # pair busy-polls its rdmx connections for 100 µs before sleeping.
+  : > "$OUT/block_servers.cmds"
+  for cfg in tcp:tcp: rdma:rdma: tcp_poll:tcp:--busy-poll-us=100; do
+    IFS=: read -r name scheme poll <<< "$cfg"
+    poll=${poll/=/ }
     P0=$(bfree); P1=$(bfree); P2=$(bfree)
-    $RDMX block serve --ram 1g --nvme-tcp 127.0.0.1:$P0 --rdmx $scheme://127.0.0.1:$P1 > "$OUT/block_target_$scheme.log" 2>&1 &
+    scmd="$RDMX --threads 1 block serve --ram 1g --nvme-tcp 127.0.0.1:$P0 --rdmx $scheme://127.0.0.1:$P1 $poll"
+    ncmd="$RDMX --threads 1 block nbd --listen 127.0.0.1:$P2 --target $scheme://127.0.0.1:$P1 $poll"
+    echo "$name|$scmd|$ncmd" >> "$OUT/block_servers.cmds"
+    $scmd > "$OUT/block_target_$name.log" 2>&1 &
     BPIDS+=($!)
     bwait $P0
     sleep 0.3
-    $RDMX block nbd --listen 127.0.0.1:$P2 --target $scheme://127.0.0.1:$P1 > "$OUT/block_nbd_$scheme.log" 2>&1 &
+    $ncmd > "$OUT/block_nbd_$name.log" 2>&1 &
     BPIDS+=($!)
     bwait $P2
-    BURI[rdmx_$scheme]=nbd://127.0.0.1:$P2/rdmx
-    BFAB[$scheme]=$scheme://127.0.0.1:$P1
+    BURI[rdmx_$name]=nbd://127.0.0.1:$P2/rdmx
+    BFAB[$name]=$scheme://127.0.0.1:$P1
   done
   QIMG=/dev/shm/rdmx-bench-qemu-nbd.img
   rm -f $QIMG && truncate -s 1G $QIMG
@@ -257,7 +275,7 @@ if need fio && need qemu-nbd && need nbdkit; then
   for rep in $(seq $REPS); do
     for job in rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd1:randwrite:4k:1 rw4k_qd32:randwrite:4k:32 seq128k_qd32:read:128k:32; do
       IFS=: read -r jname jrw jbs jqd <<< "$job"
-      for server in rdmx_tcp rdmx_rdma qemu_nbd nbdkit; do
+      for server in rdmx_tcp rdmx_rdma rdmx_tcp_poll qemu_nbd nbdkit; do
         run block_fio_${server}_${jname}_r$rep fio --name=$jname --ioengine=nbd --uri=${BURI[$server]} \
           --rw=$jrw --bs=$jbs --iodepth=$jqd --runtime=$BRT --time_based --output-format=json
       done
@@ -265,7 +283,7 @@ if need fio && need qemu-nbd && need nbdkit; then
     for scheme in tcp rdma; do
       for job in rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd32:randwrite:4k:32 seq128k_qd32:read:128k:32; do
         IFS=: read -r jname jrw jbs jqd <<< "$job"
-        run block_native_${scheme}_${jname}_r$rep $RDMX block bench --target ${BFAB[$scheme]} --rw $jrw \
+        run block_native_${scheme}_${jname}_r$rep $RDMX --threads 1 block bench --target ${BFAB[$scheme]} --rw $jrw \
           --bs $jbs --qd $jqd --duration-ms $((BRT * 1000)) --json
       done
     done

@@ -948,16 +948,23 @@ impl Suite {
             }
             drop(outer);
         }
-        for op in posted {
-            op.await.unwrap();
-        }
-        for i in 0..8u8 {
+        // Receive while the posted ones finish: a send may wait for a
+        // credit the receiver returns only as it takes messages.
+        let finish = async {
+            for op in posted {
+                op.await.unwrap();
+            }
+        };
+        let receive = async {
+            for i in 0..8u8 {
+                let m = p.server.recv_message().await.unwrap();
+                assert_eq!(&m[..], &vec![i; usize::from(i) + 1][..], "message {i}");
+            }
             let m = p.server.recv_message().await.unwrap();
-            assert_eq!(&m[..], &vec![i; usize::from(i) + 1][..], "message {i}");
-        }
-        let m = p.server.recv_message().await.unwrap();
-        assert_eq!(&m[..], &sha(&mr.read()[..])[..], "message before its data");
-        assert_eq!(&m[..], &sha(&data)[..]);
+            assert_eq!(&m[..], &sha(&mr.read()[..])[..], "message before its data");
+            assert_eq!(&m[..], &sha(&data)[..]);
+        };
+        tokio::join!(finish, receive);
         // Uncorked again: a lone send goes at once.
         p.client.send(&b"after"[..]).await.unwrap();
         assert_eq!(&p.server.recv_message().await.unwrap()[..], b"after");

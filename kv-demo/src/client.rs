@@ -115,10 +115,12 @@ struct Link {
     info: NodeInfo,
     /// Node clock minus ours, in milliseconds, measured at connect.
     offset_ms: i64,
-    /// Key → the entry that led to its item last time (FaRM/Pilaf-style
-    /// pointer cache). A stale pointer fails verification: the node clears
-    /// a freed slot's magic, and a reused slot holds another key or version.
-    pointers: parking_lot::Mutex<std::collections::HashMap<Bytes, Entry>>,
+    /// Key hash → the entry that led to the key's item last time
+    /// (FaRM/Pilaf-style pointer cache). A stale pointer fails verification:
+    /// the node clears a freed slot's magic, and a reused slot holds another
+    /// key or version; so does another key with the same 64-bit hash, as
+    /// the item holds its key. Keyed by hash, a lookup touches no key bytes.
+    pointers: parking_lot::Mutex<nohash_hasher::IntMap<u64, Entry>>,
 }
 
 enum State {
@@ -330,7 +332,8 @@ impl Client {
     ) -> rdmx_core::Result<Option<Option<Bytes>>> {
         let g = link.info.geometry;
         let conn: &Connection = link.rpc.connection();
-        let cached = link.pointers.lock().get(key).copied();
+        let h = key_hash(key, g.seed);
+        let cached = link.pointers.lock().get(&h).copied();
         if let Some(e) = cached {
             if let Ok(at) = g.arena.slice(e.offset, u64::from(e.len)) {
                 let item = conn.read(at).await?;
@@ -339,9 +342,8 @@ impl Client {
                     return Ok(Some(if expired { None } else { Some(item.slice(vr)) }));
                 }
             }
-            link.pointers.lock().remove(key);
+            link.pointers.lock().remove(&h);
         }
-        let h = key_hash(key, g.seed);
         let b = h & (g.buckets - 1);
         let tag = tag_of(h);
         for attempt in 0..=self.inner.cfg.read_retries {
@@ -377,7 +379,7 @@ impl Client {
                         if p.len() >= POINTER_CACHE {
                             p.clear();
                         }
-                        p.insert(Bytes::copy_from_slice(key), e);
+                        p.insert(h, e);
                         break;
                     }
                     // Another key with the same tag: keep looking.
@@ -565,7 +567,7 @@ async fn probe(inner: &Arc<Inner>, i: usize) {
             rpc,
             info,
             offset_ms,
-            pointers: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            pointers: parking_lot::Mutex::default(),
         })
     };
     let result = tokio::time::timeout(inner.cfg.options.connect_timeout, attempt)

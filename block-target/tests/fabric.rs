@@ -189,21 +189,17 @@ async fn raw_command(conn: &rdmx_core::Connection, sqe: Sqe, data: &[u8]) -> Opt
     Some(u16::from_le_bytes([cqe[14], cqe[15]]) >> 1)
 }
 
-/// A host that names memory it does not lend for read data: the target's
-/// one-sided WRITE is refused, and the target ends that queue (as an RDMA
-/// queue pair in error would: the response may already have gone out
-/// behind the WRITE), counts it, and serves everyone else.
-async fn host_naming_memory_it_does_not_lend(scheme: &str) {
-    let (url, t) = start(scheme).await;
+/// A raw admin queue to the target at `url` (no Initiator): Connect as
+/// `host`, then CC.EN, both checked to succeed.
+async fn raw_admin_queue(url: &str, host: &[u8]) -> rdmx_core::Connection {
     let conn = transports()
-        .connect(&url, &Options::default())
+        .connect(url, &Options::default())
         .await
         .unwrap();
     // Admin queue Connect (in-capsule data: host ID, cntlid FFFFh, NQNs).
     let mut data = vec![0u8; 1024];
     data[16..18].copy_from_slice(&0xFFFFu16.to_le_bytes());
     data[256..256 + NQN.len()].copy_from_slice(NQN.as_bytes());
-    let host = b"nqn.2014-08.org.nvmexpress:uuid:raw-host";
     data[512..512 + host.len()].copy_from_slice(host);
     let connect = Sqe {
         opcode: fabrics::OPCODE,
@@ -218,7 +214,6 @@ async fn host_naming_memory_it_does_not_lend(scheme: &str) {
         ..Sqe::default()
     };
     assert_eq!(raw_command(&conn, connect, &data).await, Some(0));
-    // CC.EN, then Identify Controller into a region that does not exist.
     let enable = Sqe {
         opcode: fabrics::OPCODE,
         nsid: u32::from(fabrics::PROPERTY_SET),
@@ -232,6 +227,17 @@ async fn host_naming_memory_it_does_not_lend(scheme: &str) {
         ..Sqe::default()
     };
     assert_eq!(raw_command(&conn, enable, &[]).await, Some(0));
+    conn
+}
+
+/// A host that names memory it does not lend for read data: the target's
+/// one-sided WRITE is refused, and the target ends that queue (as an RDMA
+/// queue pair in error would: the response may already have gone out
+/// behind the WRITE), counts it, and serves everyone else.
+async fn host_naming_memory_it_does_not_lend(scheme: &str) {
+    let (url, t) = start(scheme).await;
+    // Then Identify Controller into a region that does not exist.
+    let conn = raw_admin_queue(&url, b"nqn.2014-08.org.nvmexpress:uuid:raw-host").await;
     let errors = t.stats.protocol_errors.load(Relaxed);
     let identify = Sqe {
         opcode: admin::IDENTIFY,
@@ -398,41 +404,7 @@ async fn a_burst_of_commands_is_answered_in_one_write() {
     use futures_util::FutureExt;
     use std::future::IntoFuture;
     let (url, _t) = start("tcp").await;
-    let conn = transports()
-        .connect(&url, &Options::default())
-        .await
-        .unwrap();
-    let mut data = vec![0u8; 1024];
-    data[16..18].copy_from_slice(&0xFFFFu16.to_le_bytes());
-    data[256..256 + NQN.len()].copy_from_slice(NQN.as_bytes());
-    let host = b"nqn.2014-08.org.nvmexpress:uuid:burst-host";
-    data[512..512 + host.len()].copy_from_slice(host);
-    let connect = Sqe {
-        opcode: fabrics::OPCODE,
-        nsid: u32::from(fabrics::CONNECT),
-        flags: 0x40,
-        sgl: Sgl {
-            len: 1024,
-            id: sgl::DATA_BLOCK_OFFSET,
-            ..Sgl::default()
-        },
-        cdw: [0, 31, 0, 0, 0, 0],
-        ..Sqe::default()
-    };
-    assert_eq!(raw_command(&conn, connect, &data).await, Some(0));
-    let enable = Sqe {
-        opcode: fabrics::OPCODE,
-        nsid: u32::from(fabrics::PROPERTY_SET),
-        cid: 1,
-        flags: 0x40,
-        sgl: Sgl {
-            id: sgl::KEYED_ADDRESS,
-            ..Sgl::default()
-        },
-        cdw: [0, 0x14, 0x0046_0001, 0, 0, 0],
-        ..Sqe::default()
-    };
-    assert_eq!(raw_command(&conn, enable, &[]).await, Some(0));
+    let conn = raw_admin_queue(&url, b"nqn.2014-08.org.nvmexpress:uuid:burst-host").await;
     const N: u16 = 16;
     let mr = Options::default()
         .domain

@@ -295,12 +295,25 @@ async fn dropped_reads_leave_the_queue_whole(scheme: &str) {
         .await
         .unwrap();
     let errors = t.stats.protocol_errors.load(Relaxed);
+    // The namespace as the reads see it: the data, then zeros.
+    let mut disk = data.clone();
+    disk.resize(448 * 512, 0);
+    // A read whose response came within its one poll (a busy host can
+    // take that long) is checked and another is tried: 32 must be dropped
+    // while waiting.
     let mut dropped = 0;
-    for i in 0..32u64 {
+    let mut i = 0u64;
+    while dropped < 32 && i < 10_000 {
         // Polled once (the command is sent), then dropped.
-        if dev.read(i % 4 * 64, 256).now_or_never().is_none() {
-            dropped += 1;
+        let lba = i % 4 * 64;
+        match dev.read(lba, 256).now_or_never() {
+            None => dropped += 1,
+            Some(r) => {
+                let at = (lba * 512) as usize;
+                assert!(r.unwrap()[..] == disk[at..at + (128 << 10)], "read {i}");
+            }
         }
+        i += 1;
     }
     assert!(dropped > 0, "no read was still waiting when dropped");
     for i in 0..8u64 {

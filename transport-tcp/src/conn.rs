@@ -271,23 +271,23 @@ impl Shared {
 
     // ---------------------------------------------------------------- writing
 
-    /// Take the socket's write side, or (if someone else holds it) queue the
-    /// frame `make` builds, atomically. Returns true if the caller now writes.
-    fn claim_or_queue(&self, make: impl FnOnce() -> OutFrame) -> Result<bool> {
+    /// Take the socket's write side, or (if someone else holds it, a cork
+    /// is in, or held acknowledgements wait to ride along) queue the frames
+    /// `add` puts in, atomically. Returns true if the caller now writes.
+    fn claim_or_queue(&self, add: impl FnOnce(&mut VecDeque<OutFrame>)) -> Result<bool> {
         let mut q = self.wq.lock();
         if q.closed {
             drop(q);
             return Err(self.disconnected());
         }
         if q.busy || q.corks > 0 {
-            q.frames.push_back(make());
+            add(&mut q.frames);
             self.send_if_overfull(q);
             return Ok(false);
         }
         if !q.frames.is_empty() {
-            // Held acknowledgements ride along.
-            q.frames.push_back(make());
-            q.held = 0;
+            // Only held acknowledgements: they ride along.
+            add(&mut q.frames);
             self.send_queued(q);
             return Ok(false);
         }
@@ -411,7 +411,7 @@ impl Shared {
     /// A frame once queued goes out whole, even if the caller is dropped.
     fn enqueue(&self, frame: OutFrame) -> Result<()> {
         let mut slot = Some(frame);
-        if !self.claim_or_queue(|| slot.take().expect("frame"))? {
+        if !self.claim_or_queue(|q| q.push_back(slot.take().expect("frame")))? {
             return Ok(());
         }
         let mut one = VecDeque::from([slot.take().expect("frame")]);
@@ -426,27 +426,11 @@ impl Shared {
         if frames.is_empty() {
             return Ok(());
         }
-        {
-            let mut q = self.wq.lock();
-            if q.closed {
-                drop(q);
-                return Err(self.disconnected());
-            }
-            if q.busy || q.corks > 0 {
-                q.frames.extend(frames);
-                self.send_if_overfull(q);
-                return Ok(());
-            }
-            if !q.frames.is_empty() {
-                // Held acknowledgements ride along.
-                q.frames.extend(frames);
-                q.held = 0;
-                self.send_queued(q);
-                return Ok(());
-            }
-            q.busy = true;
+        let mut slot = Some(frames);
+        if !self.claim_or_queue(|q| q.extend(slot.take().expect("frames")))? {
+            return Ok(());
         }
-        let mut batch = VecDeque::from(frames);
+        let mut batch = VecDeque::from(slot.take().expect("frames"));
         let res = write_some(&self.stream, &self.stats, &mut batch);
         self.release_direct(batch.into_iter(), res);
         Ok(())
@@ -463,7 +447,7 @@ impl Shared {
             hdr_pos,
             payload: pool::copy(&data[from..]),
         };
-        if !self.claim_or_queue(|| copy(0, 0))? {
+        if !self.claim_or_queue(|q| q.push_back(copy(0, 0)))? {
             return Ok(());
         }
         let total = HEADER_LEN + data.len();

@@ -1,12 +1,11 @@
 //! The target side of NVMe over rdmx.
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use std::future::IntoFuture;
-
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
 use rdmx_core::{Connection, Cork, Error, Listener, RemoteRegion};

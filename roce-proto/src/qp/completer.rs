@@ -96,6 +96,8 @@ impl Qp {
         let op = pkt.bth.opcode;
         match op {
             Opcode::ACKNOWLEDGE => {
+                self.answered_at = now;
+                self.unanswered_probes = 0;
                 let Some(aeth) = pkt.aeth else { return };
                 match aeth.kind() {
                     Syndrome::Ack { .. } => {
@@ -154,13 +156,13 @@ impl Qp {
                             self.retry_left -= 1;
                         }
                         self.cc_loss(false);
-                        self.recover(p, Some(now));
+                        self.recover(now, p, Some(now));
                     }
                     Syndrome::Nak(NakCode::Other(SR_HOLE)) if self.cfg.selective_repeat => {
                         // A hole the responder names: resend just that packet.
                         self.stats.naks_received += 1;
                         if psn::diff(p, self.una) > 0 {
-                            self.recover(p, Some(now));
+                            self.recover(now, p, Some(now));
                         }
                     }
                     Syndrome::Nak(code) => {

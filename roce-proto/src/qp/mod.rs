@@ -271,6 +271,9 @@ pub struct QpStats {
     /// before (its resend may still be on the way): the packet is resent
     /// again only if still missing a round trip after the last resend.
     pub naks_before_resend: u64,
+    /// Selective repeat: tail probes, the last packet sent resent after the
+    /// responder fell silent about it (see `Qp::recheck_write_tail`).
+    pub tail_probes: u64,
 }
 
 // ------------------------------------------------------------------ requester
@@ -296,10 +299,16 @@ struct SendWqe {
     /// Selective repeat: which response packets of a READ arrived.
     read_got: Vec<bool>,
     read_count: u32,
-    /// Selective repeat: one past the highest response index received, and
-    /// where `read_next` must reach before holes are asked for again.
+    /// Selective repeat: one past the highest response index received.
     read_hi: u32,
-    asked_upto: u32,
+    /// Selective repeat: when each response packet was last asked for again
+    /// (device clock ns; 0: never).
+    read_asked: Vec<u64>,
+    /// Selective repeat: the last time this READ's responses arrived or it
+    /// asked for some (see [`Qp::recheck_read`]).
+    read_active_at: u64,
+    /// Selective repeat: the last time a response of this READ arrived.
+    read_heard_at: u64,
 }
 
 impl SendWqe {
@@ -442,9 +451,23 @@ pub struct Qp {
     /// once, down by an eighth per sample), from clean packets (Karn's rule)
     /// and from repairs (first resend to ACK).
     srtt_ns: Option<u64>,
+    /// The least recent clean round trip (ns): the path without queueing.
+    min_rtt_ns: Option<u64>,
     /// Selective repeat: READ response ranges to ask for again
     /// (WQE first PSN, first and end packet index).
     read_retx: VecDeque<(u32, u32, u32)>,
+    /// Selective repeat: when to look again at the front READ's missing
+    /// responses or the front message's unacknowledged tail
+    /// ([`Qp::recheck_read`], [`Qp::recheck_write_tail`]).
+    tail_recheck_at: Option<u64>,
+    /// When the responder last answered a SEND or WRITE (ACK or NAK), and
+    /// when a request packet last left: a pause after both is a lost tail.
+    answered_at: u64,
+    sent_at: u64,
+    /// Tail probes and READ re-asks sent since the peer last answered:
+    /// each doubles the pause the next one waits for, so a dead peer is
+    /// not flooded while the retransmission timer runs out.
+    unanswered_probes: u32,
 
     // responder
     epsn: u32,
@@ -524,7 +547,12 @@ impl Qp {
             retx_due: Vec::new(),
             rtt_probe: None,
             srtt_ns: None,
+            min_rtt_ns: None,
             read_retx: VecDeque::new(),
+            tail_recheck_at: None,
+            answered_at: 0,
+            sent_at: 0,
+            unanswered_probes: 0,
             epsn: 0,
             msn: 0,
             rq: VecDeque::new(),
@@ -707,7 +735,9 @@ impl Qp {
             read_got: Vec::new(),
             read_count: 0,
             read_hi: 0,
-            asked_upto: 0,
+            read_asked: Vec::new(),
+            read_active_at: 0,
+            read_heard_at: 0,
         });
         Ok(())
     }
@@ -719,10 +749,16 @@ impl Qp {
     pub fn poll_timeout(&self) -> Option<u64> {
         let pace = self.pace_blocked.then_some(self.next_send_at);
         let due = self.retx_due.iter().map(|&(_, _, due)| due).min();
-        [self.retry_deadline, self.rnr_until, pace, due]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.retry_deadline,
+            self.rnr_until,
+            pace,
+            due,
+            self.tail_recheck_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
     /// The next packet to send, if any (responses first, then requests).
     pub fn poll_transmit(&mut self, now: u64) -> Option<Packet> {
@@ -786,6 +822,8 @@ impl Qp {
     /// Handle expired timers.
     pub fn handle_timeout(&mut self, now: u64) {
         self.promote_due_resends(now);
+        self.recheck_read(now);
+        self.recheck_write_tail(now);
         if self.rnr_until.is_some_and(|t| now >= t) {
             self.rnr_until = None;
         }
@@ -799,6 +837,18 @@ impl Qp {
             self.retry_deadline = None;
             return;
         }
+        // Selective repeat: a READ whose responses still arrive is not
+        // stalled, however long its first hole takes to
+        // fill behind them; `recheck_read` repairs it.
+        if let (true, Some(rto)) = (self.cfg.selective_repeat, self.rto_ns()) {
+            let front = self.sq.iter().find(|w| w.done.is_none());
+            if let Some(w) = front.filter(|w| matches!(w.wr, WorkRequest::Read { .. })) {
+                if now < w.read_heard_at.saturating_add(rto) {
+                    self.retry_deadline = Some(w.read_heard_at + rto);
+                    return;
+                }
+            }
+        }
         self.stats.timeouts += 1;
         // A timer of the full ACK timeout is a retry (IBTA 9.7.6.1.4); the
         // fast timer's doublings before it (set_fast_timeout) are not.
@@ -811,7 +861,7 @@ impl Qp {
             self.retry_left -= 1;
         }
         self.cc_loss(true);
-        self.recover(self.una, None);
+        self.recover(now, self.una, None);
         let used = self.rto_ns();
         self.backoff += 1;
         self.karn_rto_ns = used.map(|t| t.saturating_mul(2));

@@ -28,7 +28,7 @@ impl Qp {
 
     /// 1.5 × the measured round trip: how long a packet sent now may take
     /// to be answered (`None` before the first sample).
-    fn round_trip_margin_ns(&self) -> Option<u64> {
+    pub(super) fn round_trip_margin_ns(&self) -> Option<u64> {
         self.srtt_ns.map(|s| s.saturating_add(s / 2))
     }
 
@@ -151,13 +151,23 @@ impl Qp {
             pkt.bth.ack_req = true;
             self.pkts_since_ackreq = 0;
         }
+        if self.cfg.selective_repeat && !wqe.needs_response() {
+            self.tail_recheck_at
+                .get_or_insert(now + self.pause_margin_ns());
+        }
         self.account_sent(now, &pkt);
+        self.sent_at = now;
+        let margin = self.pause_margin_ns();
         let wqe = &mut self.sq[self.tx_wqe];
         if idx < wqe.sent_upto {
             self.stats.retransmits += 1;
         } else {
             // A READ request covers its whole chunk of responses.
             wqe.sent_upto = idx + advance;
+            if self.cfg.selective_repeat && matches!(wqe.wr, WorkRequest::Read { .. }) {
+                wqe.read_active_at = now;
+                self.tail_recheck_at.get_or_insert(now + margin);
+            }
             if self.rtt_probe.is_none() {
                 self.rtt_probe = Some((psn, now));
             }
@@ -285,10 +295,10 @@ impl Qp {
     /// READ/atomic, resend from there.
     /// `nak_at` is when a NAK asked for it (`None`: the timer did, which
     /// always resends).
-    pub(super) fn recover(&mut self, psn: u32, nak_at: Option<u64>) {
+    pub(super) fn recover(&mut self, now: u64, psn: u32, nak_at: Option<u64>) {
         // A cumulative ACK after a loss would time the repair, not the path.
         self.rtt_probe = None;
-        if self.cfg.selective_repeat && self.ask_missing_responses(psn, u32::MAX) {
+        if self.cfg.selective_repeat && self.ask_missing_responses(now, psn, u32::MAX) {
             return;
         }
         if self.cfg.selective_repeat {
@@ -336,7 +346,12 @@ impl Qp {
             if psn::diff(una, p) > 0 {
                 self.rtt_probe = None;
                 if !self.resent_at.contains_key(&p) {
-                    sample = Some(now.saturating_sub(sent));
+                    let clean = now.saturating_sub(sent);
+                    sample = Some(clean);
+                    // The path's own round trip: the least clean sample,
+                    // let up by 1/16 per sample so it follows a slower path.
+                    self.min_rtt_ns =
+                        Some(self.min_rtt_ns.map_or(clean, |m| clean.min(m + m / 16)));
                 }
             }
         }

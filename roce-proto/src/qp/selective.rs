@@ -1,6 +1,11 @@
 //! Selective repeat, rdmx's negotiated extension (IRN, SIGCOMM'18): the
 //! responder NAKs each gap, the requester resends only what is missing, and
-//! READ responses are accepted out of order and re-asked by range.
+//! READ responses are accepted out of order and re-asked by range. Losses
+//! that leave nothing behind them (a last packet, a last ACK, a READ
+//! request, a re-ask or its answer) are found by the responder's silence:
+//! after a pause of two clean round trips the requester probes (IRN's
+//! RTO_low, RFC 8985's tail loss probe) instead of waiting for the
+//! retransmission timer.
 
 use super::*;
 
@@ -112,6 +117,11 @@ impl Qp {
         if w.read_got.is_empty() {
             w.read_got = vec![false; w.npkts as usize];
         }
+        // Any response of this READ, a copy included, shows the responder
+        // still sending to us (see `recheck_read`).
+        w.read_active_at = now;
+        w.read_heard_at = now;
+        self.unanswered_probes = 0;
         if w.read_got[idx as usize] {
             self.stats.duplicates += 1;
             return;
@@ -124,6 +134,8 @@ impl Qp {
         w.read_len += want_len;
         w.read_got[idx as usize] = true;
         w.read_count += 1;
+        w.read_active_at = now;
+        let prev_hi = w.read_hi;
         w.read_hi = w.read_hi.max(idx + 1);
         let mut n = psn::diff(w.read_next, w.first_psn) as u32;
         let before = n;
@@ -131,24 +143,214 @@ impl Qp {
             n += 1;
         }
         w.read_next = psn::add(w.first_psn, n);
-        if n >= w.asked_upto {
-            w.gap_asked = false;
-        }
-        let holes = w.read_hi > n && !w.gap_asked;
-        let hi = w.read_hi;
         if w.read_count == w.npkts {
             w.done = Some((WcStatus::Success, None));
             self.una = psn::add(w.last_psn(), 1);
         } else {
             self.una = w.read_next;
-            if holes {
-                let first = w.first_psn;
-                self.ask_missing_responses(first, hi);
+            // Responses come in order: the ones this one jumped over are
+            // lost. Ask for them at once (each is asked again only if the
+            // responses stop coming while it is still missing).
+            if idx > prev_hi.max(n) {
+                self.ask_read_holes(i, now, prev_hi.max(n), idx, None);
             }
+            self.tail_recheck_at = Some(now + self.pause_margin_ns());
         }
         if n != before || self.sq[i].done.is_some() {
             self.progress(now);
         }
+    }
+
+    /// How long the responder may fall silent before what it has not
+    /// answered is taken for lost: it answers back to back, so a pause of
+    /// two clean round trips of the path plus 100 µs (a software peer's
+    /// scheduling jitter: with 20 µs, a lossless soak over veth asked again
+    /// 60% more often, for nothing) means the rest is not on its way. Before
+    /// a round trip is measured, the retransmission timer's interval.
+    pub(super) fn pause_margin_ns(&self) -> u64 {
+        match self.min_rtt_ns {
+            Some(r) => 2 * r + 100_000,
+            None => self.rto_ns().unwrap_or(1_000_000),
+        }
+    }
+
+    /// Selective repeat, at a timer tick: if the front READ's responses
+    /// have paused for [`Qp::pause_margin_ns`] (none arrived, none was asked
+    /// for), ask again for the holes below the highest response received
+    /// and for the last response of each chunk above it (see below), those
+    /// not asked for within that margin.
+    /// This repairs a lost last response, a lost re-ask and a lost answer to
+    /// one in about a round trip and a half, where the retransmission timer
+    /// (a millisecond at least on the soft device) would wait far longer.
+    pub(super) fn recheck_read(&mut self, now: u64) {
+        let Some(at) = self.tail_recheck_at else {
+            return;
+        };
+        if now < at {
+            return;
+        }
+        self.tail_recheck_at = None;
+        if !self.cfg.selective_repeat || self.state != QpState::Rts {
+            return;
+        }
+        let Some(i) = self.sq.iter().position(|w| w.done.is_none()) else {
+            return;
+        };
+        let w = &self.sq[i];
+        if !matches!(w.wr, WorkRequest::Read { .. }) || w.sent_upto == 0 {
+            return;
+        }
+        let margin = self.pause_margin_ns() << self.unanswered_probes.min(10);
+        if now.saturating_sub(w.read_active_at) >= margin {
+            let from = psn::diff(w.read_next, w.first_psn).max(0) as u32;
+            let hi = w.read_hi.max(from);
+            let to = w.sent_upto.min(w.npkts);
+            // The holes below the highest response: lost for sure.
+            let mut asked = self.ask_read_holes(i, now, from, hi, Some(margin));
+            // Above it, one response per chunk asked for (a probe): the last
+            // of a chunk that has begun to arrive (the responder answers in
+            // order, so if the rest was merely slow it comes first and this
+            // costs one packet; if it was lost, this one's arrival shows
+            // the gap, asked for at once), the first of a chunk with nothing
+            // yet (its request may be lost: a one-packet READ at the PSN the
+            // responder expects, which it executes in order).
+            let c = self.cfg.max_unacked.max(1);
+            let mut k = hi;
+            while k < to {
+                let start = k / c * c;
+                let end = (start + c).min(to);
+                let w = &self.sq[i];
+                let begun = w
+                    .read_got
+                    .get(start as usize..end as usize)
+                    .is_some_and(|g| g.contains(&true));
+                let probe = if begun { end - 1 } else { start.max(from) };
+                asked += self.ask_read_holes(i, now, probe, probe + 1, Some(margin));
+                k = end;
+            }
+            if asked > 0 {
+                self.sq[i].read_active_at = now;
+                self.unanswered_probes += 1;
+            }
+        }
+        let w = &self.sq[i];
+        if w.done.is_none() {
+            self.tail_recheck_at = Some(w.read_active_at.max(now.saturating_sub(margin)) + margin);
+        }
+    }
+
+    /// Selective repeat, at a timer tick: the oldest unfinished request is a
+    /// SEND or WRITE, no new packet may go (all sent, or the window is
+    /// full), and neither an answer came nor a packet left for
+    /// [`Qp::pause_margin_ns`] (or half the recent round trip, whichever is
+    /// longer): the last packets, a resend or their ACKs were lost, and
+    /// nothing later will make the responder say so. Send the oldest
+    /// unacknowledged packet and the last one sent again (a tail loss
+    /// probe, RFC 8985 §7.3): the responder acknowledges them, or NAKs the
+    /// holes below the last, in about a round trip, where the
+    /// retransmission timer (a millisecond at least on the soft device)
+    /// would wait far longer. Unanswered probes back off (doubling); the
+    /// timer still decides when the peer is dead.
+    pub(super) fn recheck_write_tail(&mut self, now: u64) {
+        if !self.cfg.selective_repeat || self.state != QpState::Rts {
+            return;
+        }
+        let Some(front) = self.sq.iter().find(|w| w.done.is_none()) else {
+            return;
+        };
+        if front.needs_response() {
+            return;
+        }
+        // The next new packet, if the window lets it go.
+        let next = match self.sq.get(self.tx_wqe) {
+            None => self.next_psn,
+            Some(w) => psn::add(w.first_psn, self.tx_pkt),
+        };
+        if self.tx_wqe < self.sq.len() && psn::diff(next, self.una) < self.cfg.max_unacked as i32 {
+            return; // new packets still go: they make the responder speak
+        }
+        // ACKs come for every few packets, and packets sent may still wait
+        // in queues on the way: at least the round trip seen lately.
+        let margin = self.pause_margin_ns().max(self.srtt_ns.unwrap_or(0) / 2)
+            << self.unanswered_probes.min(10);
+        let quiet_since = self.answered_at.max(self.sent_at);
+        if now.saturating_sub(quiet_since) >= margin {
+            // The oldest unacknowledged packet (its resend may have been
+            // lost too) and the last one sent (the responder NAKs every hole
+            // below it).
+            let last = psn::add(next, psn::PSN_MASK);
+            for p in [self.una, last] {
+                // Not one resent within the margin: that resend is on its way.
+                let recent = self
+                    .resent_at
+                    .get(&p)
+                    .is_some_and(|&(at, _)| now.saturating_sub(at) < margin);
+                if !recent && !self.retx.contains(&p) {
+                    self.retx.push_back(p);
+                }
+            }
+            self.stats.tail_probes += 1;
+            self.unanswered_probes += 1;
+            self.sent_at = now;
+        }
+        let next = self.answered_at.max(self.sent_at) + margin;
+        self.tail_recheck_at = Some(match self.tail_recheck_at {
+            Some(t) if t > now => t.min(next),
+            _ => next,
+        });
+    }
+
+    /// Queue READ requests for the missing responses of WQE `wi` in packet
+    /// indexes `[from, to)`, one per run of missing ones inside one chunk,
+    /// skipping those asked for within `min_age` (with `None`, those asked
+    /// at all). Returns the number of packets asked for.
+    pub(super) fn ask_read_holes(
+        &mut self,
+        wi: usize,
+        now: u64,
+        from: u32,
+        to: u32,
+        min_age: Option<u64>,
+    ) -> u32 {
+        let c = self.cfg.max_unacked.max(1);
+        let w = &mut self.sq[wi];
+        let to = to.min(w.npkts);
+        if w.read_got.is_empty() {
+            w.read_got = vec![false; w.npkts as usize];
+        }
+        if w.read_asked.is_empty() {
+            w.read_asked = vec![0; w.npkts as usize];
+        }
+        let due = |asked: u64| match min_age {
+            _ if asked == 0 => true,
+            Some(age) => now.saturating_sub(asked) >= age,
+            None => false,
+        };
+        let mut runs = Vec::new();
+        let mut asked = 0;
+        let mut idx = from;
+        while idx < to {
+            let k = idx as usize;
+            if w.read_got[k] || !due(w.read_asked[k]) {
+                idx += 1;
+                continue;
+            }
+            let chunk_end = ((idx / c + 1) * c).min(to);
+            let mut e = idx;
+            while e < chunk_end && !w.read_got[e as usize] && due(w.read_asked[e as usize]) {
+                w.read_asked[e as usize] = now;
+                e += 1;
+            }
+            asked += e - idx;
+            runs.push((w.first_psn, idx, e));
+            idx = e;
+        }
+        for r in runs {
+            if !self.read_retx.contains(&r) {
+                self.read_retx.push_back(r);
+            }
+        }
+        asked
     }
 
     /// Selective repeat: queue READ requests for the missing responses of the
@@ -156,8 +358,9 @@ impl Qp {
     /// missing run, each inside its original chunk; a chunk with nothing
     /// received is asked for whole (its request itself may have been lost).
     /// Returns false if the front WQE is not such a READ.
-    pub(super) fn ask_missing_responses(&mut self, psn: u32, upto: u32) -> bool {
+    pub(super) fn ask_missing_responses(&mut self, now: u64, psn: u32, upto: u32) -> bool {
         let c = self.cfg.max_unacked.max(1);
+        let margin = self.pause_margin_ns();
         let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) else {
             return false;
         };
@@ -170,11 +373,18 @@ impl Qp {
         if w.read_got.is_empty() {
             w.read_got = vec![false; w.npkts as usize];
         }
+        if w.read_asked.is_empty() {
+            w.read_asked = vec![0; w.npkts as usize];
+        }
+        w.read_active_at = now;
         let end = upto.min(w.sent_upto).min(w.npkts);
         let mut idx = psn::diff(w.read_next, w.first_psn).max(0) as u32;
         let mut runs = Vec::new();
+        // What was asked for within the margin is on its way: a NAK the
+        // responder repeats, or one that crossed the answer, asks no more.
+        let recent = |asked: u64| asked != 0 && now.saturating_sub(asked) < margin;
         while idx < end {
-            if w.read_got[idx as usize] {
+            if w.read_got[idx as usize] || recent(w.read_asked[idx as usize]) {
                 idx += 1;
                 continue;
             }
@@ -187,19 +397,26 @@ impl Qp {
                 (chunk_start, chunk_end)
             } else {
                 let mut e = idx;
-                while e < chunk_end.min(end) && !w.read_got[e as usize] {
+                while e < chunk_end.min(end)
+                    && !w.read_got[e as usize]
+                    && !recent(w.read_asked[e as usize])
+                {
                     e += 1;
                 }
                 (idx, e)
             };
             runs.push((w.first_psn, s, e));
+            for a in &mut w.read_asked[s as usize..e as usize] {
+                *a = now;
+            }
             idx = e.max(idx + 1);
             if runs.len() == 32 {
                 break;
             }
         }
-        w.gap_asked = true;
-        w.asked_upto = end;
+        if !runs.is_empty() {
+            self.tail_recheck_at = Some(now + self.pause_margin_ns());
+        }
         for r in runs {
             if !self.read_retx.contains(&r) {
                 self.read_retx.push_back(r);

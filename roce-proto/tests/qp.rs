@@ -1414,3 +1414,49 @@ fn selective_repeat_probes_back_off_and_a_dead_peer_still_fails() {
         );
     }
 }
+
+/// Fetch-and-adds one at a time over a lossy link with selective repeat: a
+/// lost request or answer is probed for after the responder's silence (the
+/// duplicate is answered from the saved result, never added twice), so the
+/// sum is exact and the retransmission timer hardly ever fires.
+#[test]
+fn selective_repeat_probes_a_lost_atomic() {
+    let cfg = QpConfig {
+        timeout: 14,
+        selective_repeat: true,
+        dcqcn: None,
+        ..QpConfig::default()
+    };
+    let link = Link {
+        loss: 0.05,
+        delay_ns: 25_000,
+        ..Link::default()
+    };
+    let mut sim = Sim::new(cfg, cfg, link, 9);
+    sim.a.set_fast_timeout(8);
+    sim.mem_b.add(T_KEY, T_VA, vec![0; 8]);
+    let n = 300u64;
+    let mut expect = 0u64;
+    for i in 0..n {
+        let wr = WorkRequest::Atomic {
+            va: T_VA,
+            rkey: T_KEY,
+            op: Atomic::FetchAdd { add: i + 1 },
+        };
+        sim.a.post_send(i, wr).unwrap();
+        assert!(sim.run_until(u64::MAX / 2, |s| s.done_a.len() as u64 == i + 1));
+        let c = sim.done_a.last().unwrap();
+        assert_eq!(c.status, WcStatus::Success);
+        assert_eq!(c.atomic_orig, Some(expect), "fetch-and-add {i}");
+        expect += i + 1;
+    }
+    let word = u64::from_le_bytes(sim.mem_b.regions[0].data[..8].try_into().unwrap());
+    assert_eq!(word, expect, "every add applied exactly once");
+    let a = sim.a.stats();
+    println!(
+        "{n} fetch-and-adds at 5% loss: {} lost, {} probes, {} timeouts, {} ns",
+        sim.net.lost, a.tail_probes, a.timeouts, sim.now
+    );
+    assert!(a.tail_probes > 0);
+    assert!(a.timeouts <= 2, "{} timeouts", a.timeouts);
+}

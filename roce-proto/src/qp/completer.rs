@@ -94,10 +94,11 @@ impl Qp {
     pub(super) fn completer(&mut self, now: u64, pkt: &Packet) {
         let p = pkt.bth.psn;
         let op = pkt.bth.opcode;
+        // The responder speaks (see `recheck_write_tail`).
+        self.answered_at = now;
+        self.unanswered_probes = 0;
         match op {
             Opcode::ACKNOWLEDGE => {
-                self.answered_at = now;
-                self.unanswered_probes = 0;
                 let Some(aeth) = pkt.aeth else { return };
                 match aeth.kind() {
                     Syndrome::Ack { .. } => {

@@ -151,13 +151,12 @@ impl Qp {
             pkt.bth.ack_req = true;
             self.pkts_since_ackreq = 0;
         }
-        if self.cfg.selective_repeat && !wqe.needs_response() {
-            self.tail_recheck_at
-                .get_or_insert(now + self.pause_margin_ns());
+        let margin = self.pause_margin_ns();
+        if self.cfg.selective_repeat && !matches!(wqe.wr, WorkRequest::Read { .. }) {
+            self.tail_recheck_at.get_or_insert(now + margin);
         }
         self.account_sent(now, &pkt);
         self.sent_at = now;
-        let margin = self.pause_margin_ns();
         let wqe = &mut self.sq[self.tx_wqe];
         if idx < wqe.sent_upto {
             self.stats.retransmits += 1;

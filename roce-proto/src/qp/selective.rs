@@ -240,7 +240,8 @@ impl Qp {
     }
 
     /// Selective repeat, at a timer tick: the oldest unfinished request is a
-    /// SEND or WRITE, no new packet may go (all sent, or the window is
+    /// SEND, WRITE or atomic (a duplicate atomic is answered from the
+    /// responder's saved result, never run twice), no new packet may go (all sent, or the window is
     /// full), and neither an answer came nor a packet left for
     /// [`Qp::pause_margin_ns`] (or half the recent round trip, whichever is
     /// longer): the last packets, a resend or their ACKs were lost, and
@@ -258,8 +259,8 @@ impl Qp {
         let Some(front) = self.sq.iter().find(|w| w.done.is_none()) else {
             return;
         };
-        if front.needs_response() {
-            return;
+        if matches!(front.wr, WorkRequest::Read { .. }) {
+            return; // `recheck_read`
         }
         // The next new packet, if the window lets it go.
         let next = match self.sq.get(self.tx_wqe) {

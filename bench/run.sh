@@ -70,6 +70,8 @@ ucx ucx_tag_lat -t tag_lat -s 8 -n $UN -w 1000
 ucx ucx_put_lat_sleep -t ucp_put_lat -s 8 -n $UN -w 1000 -E sleep
 ucx ucx_put_bw_1m -t ucp_put_bw -s 1048576 -n $((FI / 5)) -w 100
 ucx ucx_get_bw_1m -t ucp_get -s 1048576 -n $((FI / 5)) -w 100 -O 16
+# Tagged messages (UCX's send/receive), the issue-14 bandwidth baseline.
+ucx ucx_tag_bw_1m -t tag_bw -s 1048576 -n $((FI / 5)) -w 100
 
 fabric() { # name, size
   local name=$1 size=$2

@@ -16,6 +16,10 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+/// mimalloc as the global allocator (see Cargo.toml).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod block;
 mod doctor;
 mod kv;

@@ -477,10 +477,10 @@ fn selective_repeat_resends_only_what_was_lost() {
     assert_eq!(lossless, min);
 }
 
-/// `n` WRITEs of 1 MiB posted at once (a full window of 256 packets of
-/// 1 KiB, the soft device's fast timer) over a 4 Gbit/s link losing `loss`
-/// of its packets each way: A's and B's counters, the network's, the time.
-fn full_window(loss: f64, n: usize, seed: u64) -> (QpStats, QpStats, NetStats, u64) {
+/// Two selective-repeat QPs configured as the soft device configures them
+/// (1 KiB packets, a window of 256, the 1 ms fast timer, no DCQCN) over a
+/// link losing `loss` of its packets each way.
+fn soft_device_sim(loss: f64, delay_ns: u64, bytes_per_ns: f64, seed: u64) -> Sim {
     let cfg = QpConfig {
         pmtu: 1024,
         timeout: 14,
@@ -491,12 +491,20 @@ fn full_window(loss: f64, n: usize, seed: u64) -> (QpStats, QpStats, NetStats, u
     };
     let link = Link {
         loss,
-        delay_ns: 2_000,
-        bytes_per_ns: 0.5,
+        delay_ns,
+        bytes_per_ns,
         ..Link::default()
     };
     let mut sim = Sim::new(cfg, cfg, link, seed);
     sim.a.set_fast_timeout(8);
+    sim
+}
+
+/// `n` WRITEs of 1 MiB posted at once (a full window of 256 packets of
+/// 1 KiB, the soft device's fast timer) over a 4 Gbit/s link losing `loss`
+/// of its packets each way: A's and B's counters, the network's, the time.
+fn full_window(loss: f64, n: usize, seed: u64) -> (QpStats, QpStats, NetStats, u64) {
+    let mut sim = soft_device_sim(loss, 2_000, 0.5, seed);
     let len = 1usize << 20;
     let data = Bytes::from(pattern(seed, len));
     for i in 0..n {
@@ -1307,22 +1315,7 @@ fn max_rd_atomic_bounds_reads_in_flight() {
 #[test]
 fn selective_repeat_recovers_lost_tails_one_operation_at_a_time() {
     fn rounds(loss: f64, seed: u64) -> (u64, QpStats) {
-        let cfg = QpConfig {
-            pmtu: 1024,
-            timeout: 14,
-            max_unacked: 256,
-            selective_repeat: true,
-            dcqcn: None,
-            ..QpConfig::default()
-        };
-        let link = Link {
-            loss,
-            delay_ns: 25_000,
-            bytes_per_ns: 0.35,
-            ..Link::default()
-        };
-        let mut sim = Sim::new(cfg, cfg, link, seed);
-        sim.a.set_fast_timeout(8);
+        let mut sim = soft_device_sim(loss, 25_000, 0.35, seed);
         let len = 1usize << 20;
         sim.mem_b.add(0x70, 0x1000_0000, vec![0; len]);
         for round in 0..12u64 {

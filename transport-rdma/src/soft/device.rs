@@ -1431,6 +1431,15 @@ fn handle_datagram(
 
 /// Timer loop: ACK timeouts, RNR waits and DCQCN pacing of every QP.
 async fn timer_loop(d: Arc<Device>) {
+    // Microsecond sleeps where the kernel gives a timerfd (see clock.rs);
+    // tokio's millisecond timer otherwise.
+    let precise = match super::clock::PreciseTimer::new() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            warn!("soft RoCE: no timerfd ({e}); timers round up to a millisecond");
+            None
+        }
+    };
     loop {
         // Reset before the scan, so that a deadline it misses wakes us
         // (soft/timer.rs).
@@ -1447,9 +1456,16 @@ async fn timer_loop(d: Arc<Device>) {
         let next = d.timer_target.end_scan(next);
         let sleep = (next != u64::MAX).then(|| d.epoch + Duration::from_nanos(next));
         let wait = async {
-            match sleep {
-                Some(t) => tokio::time::sleep_until(t.into()).await,
-                None => std::future::pending().await,
+            match (sleep, &precise) {
+                (Some(t), Some(p)) => {
+                    let left = t.saturating_duration_since(Instant::now());
+                    if let Err(e) = p.sleep(left).await {
+                        debug!("soft RoCE timerfd: {e}");
+                        tokio::time::sleep_until(t.into()).await;
+                    }
+                }
+                (Some(t), None) => tokio::time::sleep_until(t.into()).await,
+                (None, _) => std::future::pending().await,
             }
         };
         tokio::select! {

@@ -1,5 +1,6 @@
 //! The soft provider: a userspace RoCEv2 device over UDP.
 
+mod clock;
 mod cq;
 mod device;
 mod timer;

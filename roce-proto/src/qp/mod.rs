@@ -271,8 +271,9 @@ pub struct QpStats {
     /// before (its resend may still be on the way): the packet is resent
     /// again only if still missing a round trip after the last resend.
     pub naks_before_resend: u64,
-    /// Selective repeat: tail probes, the last packet sent resent after the
-    /// responder fell silent about it (see `Qp::recheck_write_tail`).
+    /// Selective repeat: tail probes, the oldest unacknowledged and the last
+    /// packet sent resent after the responder fell silent (see
+    /// `Qp::recheck_write_tail`; READ re-asks count as retransmits).
     pub tail_probes: u64,
 }
 
@@ -460,7 +461,7 @@ pub struct Qp {
     /// responses or the front message's unacknowledged tail
     /// ([`Qp::recheck_read`], [`Qp::recheck_write_tail`]).
     tail_recheck_at: Option<u64>,
-    /// When the responder last answered a SEND or WRITE (ACK or NAK), and
+    /// When the responder last answered (any ACK, NAK or response), and
     /// when a request packet last left: a pause after both is a lost tail.
     answered_at: u64,
     sent_at: u64,
@@ -838,8 +839,8 @@ impl Qp {
             return;
         }
         // Selective repeat: a READ whose responses still arrive is not
-        // stalled, however long its first hole takes to
-        // fill behind them; `recheck_read` repairs it.
+        // stalled, however long its first hole takes to fill behind them;
+        // `recheck_read` repairs it.
         if let (true, Some(rto)) = (self.cfg.selective_repeat, self.rto_ns()) {
             let front = self.sq.iter().find(|w| w.done.is_none());
             if let Some(w) = front.filter(|w| matches!(w.wr, WorkRequest::Read { .. })) {

@@ -28,7 +28,7 @@ impl Qp {
 
     /// 1.5 × the measured round trip: how long a packet sent now may take
     /// to be answered (`None` before the first sample).
-    pub(super) fn round_trip_margin_ns(&self) -> Option<u64> {
+    fn round_trip_margin_ns(&self) -> Option<u64> {
         self.srtt_ns.map(|s| s.saturating_add(s / 2))
     }
 

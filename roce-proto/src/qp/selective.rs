@@ -121,7 +121,6 @@ impl Qp {
         // still sending to us (see `recheck_read`).
         w.read_active_at = now;
         w.read_heard_at = now;
-        self.unanswered_probes = 0;
         if w.read_got[idx as usize] {
             self.stats.duplicates += 1;
             return;
@@ -134,7 +133,6 @@ impl Qp {
         w.read_len += want_len;
         w.read_got[idx as usize] = true;
         w.read_count += 1;
-        w.read_active_at = now;
         let prev_hi = w.read_hi;
         w.read_hi = w.read_hi.max(idx + 1);
         let mut n = psn::diff(w.read_next, w.first_psn) as u32;

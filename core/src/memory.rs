@@ -733,6 +733,39 @@ impl Domain {
         Ok(f(&mem.bytes()[start..start + len as usize]))
     }
 
+    /// Deferred form of [`Domain::remote_read`]: after the same checks, a
+    /// handle on the `len` source bytes that a transport reads when the
+    /// response actually leaves (as a NIC reads memory when it sends, not
+    /// when the request arrives), so a response queued behind others is not
+    /// copied meanwhile. The handle keeps the memory alive; a region
+    /// deregistered after the check still yields its last bytes, as a NIC
+    /// finishes a transfer it began.
+    pub fn remote_read_source(
+        &self,
+        rkey: u32,
+        op_addr: u64,
+        op_len: u64,
+        piece_offset: u64,
+        len: u64,
+    ) -> Result<ReadSource, AccessError> {
+        let (region, start) = self.check_piece(
+            rkey,
+            op_addr,
+            op_len,
+            piece_offset,
+            len,
+            Access::REMOTE_READ,
+        )?;
+        if region.mem.read().revoked {
+            return Err(AccessError::Revoked);
+        }
+        Ok(ReadSource {
+            region,
+            start,
+            len: len as usize,
+        })
+    }
+
     /// Check the whole operation, then locate the piece inside the region.
     fn check_piece(
         &self,
@@ -922,6 +955,47 @@ impl Drop for MemoryRegion {
     }
 }
 
+/// The source bytes of a one-sided read being answered
+/// ([`Domain::remote_read_source`]): a range of a registered region, kept
+/// alive until the response has left.
+pub struct ReadSource {
+    region: Arc<RegionInner>,
+    start: usize,
+    len: usize,
+}
+
+impl fmt::Debug for ReadSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadSource")
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl ReadSource {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when zero-length.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Lock the source bytes for reading (local and remote writes to the
+    /// region wait meanwhile): hold it for one socket write at most. Takes
+    /// the lock recursively, so a holder of another guard on the same region
+    /// cannot deadlock against a waiting writer.
+    pub fn lock(&self) -> RegionReadGuard<'_> {
+        let (start, len) = (self.start, self.len);
+        RwLockReadGuard::map(self.region.mem.read_recursive(), move |m| {
+            &m.bytes()[start..start + len]
+        })
+    }
+}
+
 /// A byte range of a local registered region, owned by an operation until it
 /// completes. Holding it keeps the memory alive (never freed under a transfer).
 #[derive(Clone)]
@@ -1001,6 +1075,47 @@ mod tests {
             .filter(|w| w[1].wrapping_sub(w[0]) < 16)
             .count();
         assert!(seq < 4, "keys look sequential: {sorted:?}");
+    }
+
+    #[test]
+    fn read_source_is_checked_then_read_when_locked_and_outlives_its_region() {
+        let d = Domain::new();
+        let mr = d.register_from(&(0..64u8).collect::<Vec<_>>(), Access::ALL);
+        let r = mr.remote();
+        let no_read = d.register(64, Access::REMOTE_WRITE);
+        assert_eq!(
+            d.remote_read_source(no_read.rkey(), no_read.remote().addr, 8, 0, 8)
+                .err(),
+            Some(AccessError::Permission)
+        );
+        assert_eq!(
+            d.remote_read_source(r.rkey, r.addr + 60, 8, 0, 8).err(),
+            Some(AccessError::OutOfBounds)
+        );
+        // Piece 16..48 of the operation at 8..56.
+        let src = d
+            .remote_read_source(r.rkey, r.addr + 8, 48, 16, 32)
+            .unwrap();
+        assert_eq!(src.len(), 32);
+        // Read when locked, not when checked: a later local write shows.
+        mr.write()[24] = 0xee;
+        {
+            let a = src.lock();
+            // Recursive: a second guard while one is held does not block.
+            let b = src.lock();
+            let mut want: Vec<u8> = (24..56).collect();
+            want[0] = 0xee;
+            assert_eq!(&a[..], &want[..]);
+            assert_eq!(&a[..], &b[..]);
+        }
+        // Deregistered: no new source, but the one taken keeps the memory.
+        let key = r.rkey;
+        drop(mr);
+        assert_eq!(
+            d.remote_read_source(key, r.addr, 8, 0, 8).err(),
+            Some(AccessError::Revoked)
+        );
+        assert_eq!(src.lock()[1], 25);
     }
 
     #[test]

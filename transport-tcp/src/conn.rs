@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use rdmx_core::stats::Stats;
 use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
-    RawConnection, RemoteRegion, Result, Support,
+    RawConnection, ReadSource, RemoteRegion, Result, Support,
 };
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -436,38 +436,11 @@ impl Shared {
         Ok(())
     }
 
-    /// Like [`Shared::enqueue`] for a payload borrowed from a locked region:
-    /// written straight from it when the socket is idle; only what the socket
-    /// does not take at once (or a frame that must wait its turn) is copied.
-    fn enqueue_borrowed(&self, mut h: Header, data: &[u8]) -> Result<()> {
-        h.payload_len = u32::try_from(data.len()).expect("piece size checked by decode");
-        let hdr = h.encode();
-        let copy = |hdr_pos: usize, from: usize| OutFrame {
-            hdr,
-            hdr_pos,
-            payload: pool::copy(&data[from..]),
-        };
-        if !self.claim_or_queue(|q| q.push_back(copy(0, 0)))? {
-            return Ok(());
-        }
-        let total = HEADER_LEN + data.len();
-        let mut done = 0;
-        let res = loop {
-            if done == total {
-                break Ok(());
-            }
-            let (hp, dp) = (done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN));
-            let iov = [IoSlice::new(&hdr[hp..]), IoSlice::new(&data[dp..])];
-            self.stats.add(|s| &s.socket_writes, 1);
-            match self.stream.try_write_vectored(&iov) {
-                Ok(n) => done += n,
-                Err(e) => break Err(e),
-            }
-        };
-        let rest =
-            (done < total).then(|| copy(done.min(HEADER_LEN), done.saturating_sub(HEADER_LEN)));
-        self.release_direct(rest.into_iter(), res);
-        Ok(())
+    /// [`Shared::enqueue`] for a read response whose payload is `source`:
+    /// written straight from the region (now if the socket is idle, else
+    /// when its turn comes), never copied in between.
+    fn enqueue_source(&self, h: Header, source: ReadSource) -> Result<()> {
+        self.enqueue(OutFrame::from_source(h, source))
     }
 
     async fn writer(self: Arc<Self>) {
@@ -764,12 +737,18 @@ impl Shared {
                     self.enqueue(OutFrame::new(resp, Bytes::new()))?;
                     return Ok(true);
                 }
-                // Written to the socket straight from the locked region when idle.
-                let res = self
-                    .domain
-                    .remote_read_with(h.rkey, h.addr, h.a, h.b, len, |src| {
-                        self.enqueue_borrowed(resp, src)
-                    });
+                // A large answer is written straight from the region when its
+                // turn comes (no copy, however long it queues); a small one
+                // is copied (cheap, and it may ride in a `writev` with others).
+                let res = if len as usize >= DIRECT_MIN {
+                    self.domain
+                        .remote_read_source(h.rkey, h.addr, h.a, h.b, len)
+                        .map(|src| self.enqueue_source(resp, src))
+                } else {
+                    self.domain
+                        .remote_read(h.rkey, h.addr, h.a, h.b, len)
+                        .map(|data| self.enqueue(OutFrame::new(resp, data)))
+                };
                 match res {
                     Ok(sent) => {
                         self.served(Ok(()));
@@ -1308,18 +1287,36 @@ fn write_some(
     frames: &mut VecDeque<OutFrame>,
 ) -> io::Result<()> {
     while !frames.is_empty() {
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(frames.len().min(MAX_IOV) * 2);
-        for f in frames.iter().take(MAX_IOV) {
+        // Up to MAX_IOV frames, ending at the first one read from a region:
+        // its bytes are locked only for this one system call.
+        let take = frames
+            .iter()
+            .take(MAX_IOV)
+            .position(|f| f.source.is_some())
+            .map_or(MAX_IOV, |i| i + 1);
+        let guard = frames
+            .iter()
+            .take(take)
+            .last()
+            .and_then(|f| f.source.as_ref())
+            .map(|(src, _)| src.lock());
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(take.min(frames.len()) * 2);
+        for f in frames.iter().take(take) {
             if f.hdr_pos < HEADER_LEN {
                 iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
             }
             if !f.payload.is_empty() {
                 iov.push(IoSlice::new(&f.payload));
             }
+            if let (Some((_, pos)), Some(g)) = (&f.source, &guard) {
+                iov.push(IoSlice::new(&g[*pos..]));
+            }
         }
         stats.add(|s| &s.socket_writes, 1);
-        let mut n = stream.try_write_vectored(&iov)?;
+        let res = stream.try_write_vectored(&iov);
         drop(iov);
+        drop(guard);
+        let mut n = res?;
         while n > 0 {
             let f = frames.front_mut().expect("written bytes belong to a frame");
             let h = (HEADER_LEN - f.hdr_pos).min(n);
@@ -1328,6 +1325,11 @@ fn write_some(
             let p = f.payload.len().min(n);
             f.payload.advance(p);
             n -= p;
+            if let Some((src, pos)) = &mut f.source {
+                let s = (src.len() - *pos).min(n);
+                *pos += s;
+                n -= s;
+            }
             if f.remaining() == 0 {
                 frames.pop_front();
             }

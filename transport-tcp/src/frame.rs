@@ -20,6 +20,7 @@
 //! access before storing any byte (as an RDMA NIC checks the RETH).
 
 use bytes::{BufMut, Bytes};
+use rdmx_core::ReadSource;
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 48;
@@ -228,6 +229,9 @@ pub(crate) struct OutFrame {
     pub(crate) hdr: [u8; HEADER_LEN],
     pub(crate) hdr_pos: usize,
     pub(crate) payload: Bytes,
+    /// A large read response's payload instead: the region bytes and how
+    /// many of them are written, read from the region as they leave.
+    pub(crate) source: Option<(ReadSource, usize)>,
 }
 
 impl OutFrame {
@@ -237,11 +241,24 @@ impl OutFrame {
             hdr: h.encode(),
             hdr_pos: 0,
             payload,
+            source: None,
+        }
+    }
+
+    /// A frame whose payload is read from a region when it is written.
+    pub(crate) fn from_source(mut h: Header, source: ReadSource) -> OutFrame {
+        h.payload_len = u32::try_from(source.len()).expect("piece size checked by decode");
+        OutFrame {
+            hdr: h.encode(),
+            hdr_pos: 0,
+            payload: Bytes::new(),
+            source: Some((source, 0)),
         }
     }
 
     pub(crate) fn remaining(&self) -> usize {
-        HEADER_LEN - self.hdr_pos + self.payload.len()
+        let source = self.source.as_ref().map_or(0, |(s, pos)| s.len() - pos);
+        HEADER_LEN - self.hdr_pos + self.payload.len() + source
     }
 }
 

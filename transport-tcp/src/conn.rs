@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,9 @@ const MAX_HELD: usize = 32;
 /// must queue for our read responses, as RDMA bounds outstanding READs
 /// (the QP attribute max_rd_atomic), so no responder needs to stop reading its socket.
 const READ_OUTSTANDING: usize = 64 << 20;
+/// Bytes of answers queued for a peer past which it is taken to be not
+/// reading them (above what a peer of ours can have outstanding).
+const MAX_ANSWERS_QUEUED: usize = READ_OUTSTANDING + (16 << 20);
 /// Payloads at least this large are read from the socket straight into their
 /// destination: the target region (writes) or a pooled buffer (messages,
 /// read responses).
@@ -109,6 +112,8 @@ pub(crate) struct Shared {
     next_id: AtomicU64,
     inflight: Semaphore,
     read_budget: Semaphore,
+    /// Bytes of answers to the peer's requests queued but not yet written.
+    answers_queued: AtomicUsize,
 
     send_order: tokio::sync::Mutex<()>,
     credits: Mutex<Credits>,
@@ -206,6 +211,7 @@ impl TcpConnection {
             next_id: AtomicU64::new(1),
             inflight: Semaphore::new(s.max_inflight as usize),
             read_budget: Semaphore::new(READ_OUTSTANDING),
+            answers_queued: AtomicUsize::new(0),
             send_order: tokio::sync::Mutex::new(()),
             credits: Mutex::new(Credits {
                 msgs: u64::from(peer.credits),
@@ -298,6 +304,7 @@ impl Shared {
     /// Hold a write's success answer back until another frame leaves (or
     /// [`ACK_DELAY`] passes): see [`FLAG_ACK_LATER`].
     fn hold_ack(&self, frame: OutFrame) -> Result<()> {
+        self.count_answer(&frame);
         let mut q = self.wq.lock();
         if q.closed {
             drop(q);
@@ -359,7 +366,7 @@ impl Shared {
         q.held = 0;
         let mut batch = std::mem::take(&mut q.frames);
         drop(q);
-        let res = write_some(&self.stream, &self.stats, &mut batch);
+        let res = write_some(&self.stream, &self.stats, &self.answers_queued, &mut batch);
         self.release_direct(batch.into_iter(), res);
     }
 
@@ -407,15 +414,38 @@ impl Shared {
         }
     }
 
+    /// Count an answer's bytes until they are written ([`write_some`]).
+    fn count_answer(&self, frame: &OutFrame) {
+        if frame.answer {
+            self.answers_queued
+                .fetch_add(frame.remaining(), Ordering::Relaxed);
+        }
+    }
+
+    /// Refuse to serve a peer that sends requests but does not read the
+    /// answers: they would queue (copies of read data among them) without
+    /// bound. A peer of ours never has more than [`READ_OUTSTANDING`] bytes
+    /// of read answers, and a bounded number of small ones, outstanding.
+    fn check_answers_read(&self) -> Result<()> {
+        let queued = self.answers_queued.load(Ordering::Relaxed);
+        if queued > MAX_ANSWERS_QUEUED {
+            return Err(Error::Protocol(format!(
+                "peer does not read the answers to its requests ({queued} bytes of them wait)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Queue a frame; writes it at once if nobody else is writing.
     /// A frame once queued goes out whole, even if the caller is dropped.
     fn enqueue(&self, frame: OutFrame) -> Result<()> {
+        self.count_answer(&frame);
         let mut slot = Some(frame);
         if !self.claim_or_queue(|q| q.push_back(slot.take().expect("frame")))? {
             return Ok(());
         }
         let mut one = VecDeque::from([slot.take().expect("frame")]);
-        let res = write_some(&self.stream, &self.stats, &mut one);
+        let res = write_some(&self.stream, &self.stats, &self.answers_queued, &mut one);
         self.release_direct(one.into_iter(), res);
         Ok(())
     }
@@ -431,7 +461,7 @@ impl Shared {
             return Ok(());
         }
         let mut batch = VecDeque::from(slot.take().expect("frames"));
-        let res = write_some(&self.stream, &self.stats, &mut batch);
+        let res = write_some(&self.stream, &self.stats, &self.answers_queued, &mut batch);
         self.release_direct(batch.into_iter(), res);
         Ok(())
     }
@@ -472,7 +502,7 @@ impl Shared {
                 }
                 self.write_drained.notify_waiters();
                 while !batch.is_empty() {
-                    match write_some(&self.stream, &self.stats, &mut batch) {
+                    match write_some(&self.stream, &self.stats, &self.answers_queued, &mut batch) {
                         Ok(()) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             if let Err(e) = self.stream.writable().await {
@@ -672,6 +702,7 @@ impl Shared {
                 uncork(&mut corked);
                 buf.advance(HEADER_LEN);
                 if h.kind == Kind::Write {
+                    self.check_answers_read()?;
                     self.write_direct(&h, &mut buf).await?;
                     continue;
                 }
@@ -710,6 +741,9 @@ impl Shared {
 
     /// Act on one frame. Returns false when the peer closed gracefully.
     async fn handle(&self, h: Header, payload: Bytes) -> Result<bool> {
+        if matches!(h.kind, Kind::Read | Kind::Write | Kind::Atomic) {
+            self.check_answers_read()?;
+        }
         match h.kind {
             Kind::Send => {
                 let len = payload.len() as u64;
@@ -1284,6 +1318,7 @@ async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
 fn write_some(
     stream: &TcpStream,
     stats: &Stats,
+    answers_queued: &AtomicUsize,
     frames: &mut VecDeque<OutFrame>,
 ) -> io::Result<()> {
     while !frames.is_empty() {
@@ -1325,10 +1360,15 @@ fn write_some(
             let p = f.payload.len().min(n);
             f.payload.advance(p);
             n -= p;
+            let mut taken = h + p;
             if let Some((src, pos)) = &mut f.source {
                 let s = (src.len() - *pos).min(n);
                 *pos += s;
                 n -= s;
+                taken += s;
+            }
+            if f.answer {
+                answers_queued.fetch_sub(taken, Ordering::Relaxed);
             }
             if f.remaining() == 0 {
                 frames.pop_front();

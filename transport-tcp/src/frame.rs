@@ -232,6 +232,9 @@ pub(crate) struct OutFrame {
     /// A large read response's payload instead: the region bytes and how
     /// many of them are written, read from the region as they leave.
     pub(crate) source: Option<(ReadSource, usize)>,
+    /// An answer to the peer's request (a [`Kind::Resp`] frame): counted
+    /// while queued, so that a peer that does not read them is caught.
+    pub(crate) answer: bool,
 }
 
 impl OutFrame {
@@ -242,6 +245,7 @@ impl OutFrame {
             hdr_pos: 0,
             payload,
             source: None,
+            answer: h.kind == Kind::Resp,
         }
     }
 
@@ -253,6 +257,7 @@ impl OutFrame {
             hdr_pos: 0,
             payload: Bytes::new(),
             source: Some((source, 0)),
+            answer: h.kind == Kind::Resp,
         }
     }
 

@@ -303,6 +303,54 @@ async fn malformed_frames_close_only_that_connection() {
 }
 
 #[tokio::test]
+async fn a_peer_that_never_reads_its_answers_is_cut_off() {
+    // Read requests are small; their answers are not: a peer that sends
+    // them and never reads would have the server queue copies without end.
+    let opts = Options::default();
+    let mr = opts.domain.register(32 << 10, Access::ALL);
+    mr.write().fill(0x5a);
+    let r = mr.remote();
+    let (mut l, addr) = listen(&opts).await;
+    let t = TcpTransport::new();
+    let (good, good_srv) = tokio::join!(t.connect(&addr, &Options::default()), l.accept());
+    let (good, _good_srv) = (good.unwrap(), good_srv.unwrap());
+
+    let mut s = raw_client(&addr).await;
+    let srv = l.accept().await.unwrap();
+    let mut req = Header::new(Kind::Read);
+    req.addr = r.addr;
+    req.rkey = r.rkey;
+    req.a = r.len;
+    req.imm = r.len as u32;
+    // 200 MiB of answers asked for, none read.
+    let mut burst = Vec::new();
+    for id in 1..=6400u64 {
+        req.id = id;
+        burst.extend_from_slice(&req.encode());
+    }
+    let writer = tokio::spawn(async move {
+        // The server stops reading once it gives up: the write may not finish.
+        let _ = s.write_all(&burst).await;
+        s
+    });
+    let err = tokio::time::timeout(Duration::from_secs(20), srv.recv())
+        .await
+        .expect("the server kept serving a peer that reads nothing")
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Protocol(ref m) if m.contains("does not read the answers")),
+        "{err}"
+    );
+    assert!(srv.stats().remote_ops_served < 6400);
+    writer.abort();
+    // Others are served as before.
+    assert_eq!(
+        &good.read(r.slice(0, 64).unwrap()).await.unwrap()[..],
+        &[0x5a; 64][..]
+    );
+}
+
+#[tokio::test]
 async fn selection_policy_and_fallback() {
     let ts = Transports::new().with(TcpTransport::new());
     let (mut l, addr) = listen(&Options::default()).await;

@@ -172,9 +172,10 @@ if need redis-server && need redis-benchmark && need memcached; then
   freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
   if [ -n "${QUICK:-}" ]; then KVN=20000; KVKEYS=50000; KVDUR=500; else KVN=200000; KVKEYS=1000000; KVDUR=3000; fi
   waitport() { for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; return 1; }
-  # Nodes and gateway run one worker thread each (--threads 1), as
-  # redis-server runs one: they share this VM's two cores with the load
-  # generator, and one thread keeps every wake-up on it.
+  # Nodes, gateway and the native client (`kv bench`) run one worker thread
+  # each (--threads 1), as redis-server runs one: three or four processes
+  # share this VM's two cores, and one thread keeps every wake-up on it (a
+  # two-thread client spends a fifth of its CPU parking and waking threads).
   : > "$OUT/kv_servers.cmds"
   for scheme in tcp rdma; do
     P1=$(freeport); P2=$(freeport); GW=$(freeport)
@@ -198,11 +199,11 @@ if need redis-server && need redis-benchmark && need memcached; then
     for value in 100 4096 65536; do
       # Load the hottest keys that fit about 60% of the two nodes' memory.
       LOAD=$(python3 -c "print(min($KVKEYS, int(0.6 * 512 * 2**20 / ($value + 80))))")
-      run kv_load_${scheme}_$value $RDMX kv bench --nodes $NODES --keys $KVKEYS --value $value --load $LOAD \
+      run kv_load_${scheme}_$value $RDMX --threads 1 kv bench --nodes $NODES --keys $KVKEYS --value $value --load $LOAD \
         --duration-ms 1 --json
       for mix in 95 100; do
         for path in one-sided rpc; do
-          run kv_bench_${scheme}_${value}_${mix}_$path $RDMX kv bench --nodes $NODES --keys $KVKEYS --value $value \
+          run kv_bench_${scheme}_${value}_${mix}_$path $RDMX --threads 1 kv bench --nodes $NODES --keys $KVKEYS --value $value \
             --get-percent $mix --path $path --duration-ms $KVDUR --no-load --json
         done
       done
@@ -211,7 +212,7 @@ if need redis-server && need redis-benchmark && need memcached; then
         # interleaved, for a median and its spread.
         for round in 1 2 3; do
           for path in one-sided rpc; do
-            run kv_bench_${scheme}_100_100_${path}_r$round $RDMX kv bench --nodes $NODES --keys $KVKEYS --value 100 \
+            run kv_bench_${scheme}_100_100_${path}_r$round $RDMX --threads 1 kv bench --nodes $NODES --keys $KVKEYS --value 100 \
               --get-percent 100 --path $path --duration-ms $KVDUR --no-load --json
           done
         done

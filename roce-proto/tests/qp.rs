@@ -1453,3 +1453,39 @@ fn selective_repeat_probes_a_lost_atomic() {
     assert!(a.tail_probes > 0);
     assert!(a.timeouts <= 2, "{} timeouts", a.timeouts);
 }
+
+/// Once every request is acknowledged, a selective-repeat requester asks
+/// for no timer: the silence probe armed with each request and the ACK
+/// timeout both go (the soft device's timer otherwise woke, and re-armed
+/// its timerfd, once per operation for nothing).
+#[test]
+fn nothing_outstanding_leaves_no_deadline() {
+    let mut sim = soft_device_sim(0.0, 2_000, 0.5, 7);
+    sim.mem_b.add(0x71, 0x1000_0000, vec![0; 4096]);
+    for (i, wr) in [
+        WorkRequest::Write {
+            data: Bytes::from(vec![0x5a; 64]),
+            va: 0x1000_0000,
+            rkey: 0x71,
+            imm: None,
+        },
+        WorkRequest::Read {
+            va: 0x1000_0000,
+            rkey: 0x71,
+            len: 64,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sim.a.post_send(i as u64, wr).unwrap();
+        assert!(sim.run_until(1_000_000_000, |s| s.done_a.len() == i + 1));
+        assert_eq!(sim.done_a[i].status, WcStatus::Success);
+        assert_eq!(sim.a.outstanding(), 0);
+        assert_eq!(
+            sim.a.poll_timeout(),
+            None,
+            "a deadline with nothing outstanding"
+        );
+    }
+}

@@ -20,6 +20,11 @@ impl Qp {
         self.retry_deadline = outstanding
             .then(|| self.rto_ns().map(|t| now + t))
             .flatten();
+        if !outstanding {
+            // Nothing left to probe for: no timer tick for nothing (the
+            // device's timer would otherwise wake once per operation).
+            self.tail_recheck_at = None;
+        }
         self.deliver_done();
     }
 

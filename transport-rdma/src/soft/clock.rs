@@ -36,11 +36,17 @@ impl PreciseTimer {
         })
     }
 
-    /// Sleep for `d` (at least 1 ns: a zero time would disarm the timer).
-    /// Cancel-safe: dropping the future leaves the timer armed, and the next
-    /// call re-arms it after clearing what a past expiry left.
+    /// Sleep for `d`: [`PreciseTimer::arm`], then [`PreciseTimer::fired`].
+    #[cfg(test)]
     pub(crate) async fn sleep(&self, d: Duration) -> io::Result<()> {
-        self.drain()?;
+        self.arm(d)?;
+        self.fired().await
+    }
+
+    /// Arm the timer to fire once, `d` from now (at least 1 ns: a zero time
+    /// would disarm it), replacing any earlier arming. Re-arming also
+    /// clears an expiry nobody read (the kernel resets the count).
+    pub(crate) fn arm(&self, d: Duration) -> io::Result<()> {
         let value = Timespec {
             tv_sec: d.as_secs() as _,
             tv_nsec: d.subsec_nanos().max(u32::from(d.as_secs() == 0)) as _,
@@ -54,12 +60,21 @@ impl PreciseTimer {
             it_value: value,
         };
         timerfd_settime(self.fd.get_ref(), TimerfdTimerFlags::empty(), &spec)?;
+        Ok(())
+    }
+
+    /// Wait until the armed timer fires (for ever if it is not armed).
+    /// Cancel-safe: dropping the future leaves the timer armed.
+    pub(crate) async fn fired(&self) -> io::Result<()> {
         loop {
             let mut ready = self.fd.readable().await?;
-            if self.drain()? {
+            let fired = self.drain()?;
+            // Read or not, the fd is not readable now: the timer is one-shot
+            // and is armed again only by `arm`, after this returns.
+            ready.clear_ready();
+            if fired {
                 return Ok(());
             }
-            ready.clear_ready();
         }
     }
 

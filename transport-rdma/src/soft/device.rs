@@ -1440,6 +1440,8 @@ async fn timer_loop(d: Arc<Device>) {
             None
         }
     };
+    // When the timerfd fires next (None: not armed).
+    let mut armed: Option<Instant> = None;
     loop {
         // Reset before the scan, so that a deadline it misses wakes us
         // (soft/timer.rs).
@@ -1455,21 +1457,34 @@ async fn timer_loop(d: Arc<Device>) {
         }
         let next = d.timer_target.end_scan(next);
         let sleep = (next != u64::MAX).then(|| d.epoch + Duration::from_nanos(next));
-        let wait = async {
-            match (sleep, &precise) {
-                (Some(t), Some(p)) => {
-                    let left = t.saturating_duration_since(Instant::now());
-                    if let Err(e) = p.sleep(left).await {
-                        debug!("soft RoCE timerfd: {e}");
-                        tokio::time::sleep_until(t.into()).await;
-                    }
+        // The timerfd is armed again only for an earlier instant than it is
+        // armed for: one armed earlier than needed (the deadline it was
+        // armed for went away, or moved later) just fires into a scan that
+        // re-arms it. A deadline per operation (its ACK timeout) would
+        // otherwise cost a system call per operation.
+        if let (Some(t), Some(p)) = (sleep, &precise) {
+            if armed.is_none_or(|a| a > t) {
+                match p.arm(t.saturating_duration_since(Instant::now())) {
+                    Ok(()) => armed = Some(t),
+                    Err(e) => debug!("soft RoCE timerfd: {e}"),
                 }
-                (Some(t), None) => tokio::time::sleep_until(t.into()).await,
-                (None, _) => std::future::pending().await,
             }
+        }
+        let wait = async {
+            if let (Some(p), Some(_)) = (&precise, armed) {
+                if let Err(e) = p.fired().await {
+                    debug!("soft RoCE timerfd: {e}");
+                }
+                return true;
+            }
+            match sleep {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+            false
         };
         tokio::select! {
-            _ = wait => {}
+            fired = wait => if fired { armed = None },
             _ = d.timer.notified() => {}
         }
     }

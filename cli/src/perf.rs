@@ -844,12 +844,21 @@ async fn bandwidth(
     let start = Instant::now();
     let mut done = 0u64;
     if op == PerfOp::Send {
-        // Sends complete locally once queued (credits pace them); a final PING
+        // `window` sends in flight (over TCP a send completes once queued,
+        // over RDMA at the peer's ACK; credits pace both); a final PING
         // round trip proves every message arrived.
         let p = payload(op, size, SINK);
-        while start.elapsed() < dur {
-            c.send(p.clone()).await?;
+        let mut inflight = FuturesUnordered::new();
+        let send = |p: &Bytes| std::future::IntoFuture::into_future(c.send(p.clone()));
+        for _ in 0..window {
+            inflight.push(send(&p));
+        }
+        while let Some(res) = inflight.next().await {
+            res?;
             done += 1;
+            if start.elapsed() < dur {
+                inflight.push(send(&p));
+            }
         }
         c.send(vec![PING]).await?;
         c.recv_message().await?;

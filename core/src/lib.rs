@@ -69,7 +69,7 @@ pub use error::{AccessError, Error, Result};
 pub use lanes::LaneTag;
 pub use memory::{
     Access, AtomicOp, DeviceMemory, DeviceRegistration, Domain, LocalSlice, MemoryRegion,
-    ReadSource, RegionReadGuard, RemoteRegion,
+    RegionReadGuard, RemoteRegion,
 };
 pub use stats::{Stats, StatsSnapshot};
 pub use transport::{

@@ -696,41 +696,9 @@ impl Domain {
         if op_len == 0 && len == 0 {
             return Ok(Bytes::new());
         }
-        self.remote_read_with(
-            rkey,
-            op_addr,
-            op_len,
-            piece_offset,
-            len,
-            Bytes::copy_from_slice,
-        )
-    }
-
-    /// Zero-copy form of [`Domain::remote_read`]: after the same checks, run `f`
-    /// on the `len` source bytes while the region is locked (a transport can
-    /// write them straight to a socket). Keep `f` short and non-blocking.
-    pub fn remote_read_with<R>(
-        &self,
-        rkey: u32,
-        op_addr: u64,
-        op_len: u64,
-        piece_offset: u64,
-        len: u64,
-        f: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R, AccessError> {
-        let (region, start) = self.check_piece(
-            rkey,
-            op_addr,
-            op_len,
-            piece_offset,
-            len,
-            Access::REMOTE_READ,
-        )?;
-        let mem = region.mem.read();
-        if mem.revoked {
-            return Err(AccessError::Revoked);
-        }
-        Ok(f(&mem.bytes()[start..start + len as usize]))
+        let src = self.remote_read_source(rkey, op_addr, op_len, piece_offset, len)?;
+        let bytes = Bytes::copy_from_slice(&src.lock());
+        Ok(bytes)
     }
 
     /// Deferred form of [`Domain::remote_read`]: after the same checks, a
@@ -747,7 +715,7 @@ impl Domain {
         op_len: u64,
         piece_offset: u64,
         len: u64,
-    ) -> Result<ReadSource, AccessError> {
+    ) -> Result<LocalSlice, AccessError> {
         let (region, start) = self.check_piece(
             rkey,
             op_addr,
@@ -759,9 +727,9 @@ impl Domain {
         if region.mem.read().revoked {
             return Err(AccessError::Revoked);
         }
-        Ok(ReadSource {
+        Ok(LocalSlice {
             region,
-            start,
+            offset: start,
             len: len as usize,
         })
     }
@@ -955,47 +923,6 @@ impl Drop for MemoryRegion {
     }
 }
 
-/// The source bytes of a one-sided read being answered
-/// ([`Domain::remote_read_source`]): a range of a registered region, kept
-/// alive until the response has left.
-pub struct ReadSource {
-    region: Arc<RegionInner>,
-    start: usize,
-    len: usize,
-}
-
-impl fmt::Debug for ReadSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReadSource")
-            .field("start", &self.start)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl ReadSource {
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when zero-length.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Lock the source bytes for reading (local and remote writes to the
-    /// region wait meanwhile): hold it for one socket write at most. Takes
-    /// the lock recursively, so a holder of another guard on the same region
-    /// cannot deadlock against a waiting writer.
-    pub fn lock(&self) -> RegionReadGuard<'_> {
-        let (start, len) = (self.start, self.len);
-        RwLockReadGuard::map(self.region.mem.read_recursive(), move |m| {
-            &m.bytes()[start..start + len]
-        })
-    }
-}
-
 /// A byte range of a local registered region, owned by an operation until it
 /// completes. Holding it keeps the memory alive (never freed under a transfer).
 #[derive(Clone)]
@@ -1027,6 +954,18 @@ impl LocalSlice {
     /// True when zero-length.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Lock the slice's bytes for reading (local and remote writes to the
+    /// region wait meanwhile; hold it briefly, for one socket write at most).
+    /// A region deregistered meanwhile still shows its last bytes, as a NIC
+    /// finishes a transfer it began. Recursive: a holder of another guard on
+    /// the same region cannot deadlock against a waiting writer.
+    pub fn lock(&self) -> RegionReadGuard<'_> {
+        let (start, len) = (self.offset, self.len);
+        RwLockReadGuard::map(self.region.mem.read_recursive(), move |m| {
+            &m.bytes()[start..start + len]
+        })
     }
 
     /// Copy the slice's bytes out (fails if the region was deregistered).

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use rdmx_core::stats::Stats;
 use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
-    RawConnection, ReadSource, RemoteRegion, Result, Support,
+    LocalSlice, RawConnection, RemoteRegion, Result, Support,
 };
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -469,7 +469,7 @@ impl Shared {
     /// [`Shared::enqueue`] for a read response whose payload is `source`:
     /// written straight from the region (now if the socket is idle, else
     /// when its turn comes), never copied in between.
-    fn enqueue_source(&self, h: Header, source: ReadSource) -> Result<()> {
+    fn enqueue_source(&self, h: Header, source: LocalSlice) -> Result<()> {
         self.enqueue(OutFrame::from_source(h, source))
     }
 

@@ -20,7 +20,7 @@
 //! access before storing any byte (as an RDMA NIC checks the RETH).
 
 use bytes::{BufMut, Bytes};
-use rdmx_core::ReadSource;
+use rdmx_core::LocalSlice;
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 48;
@@ -231,7 +231,7 @@ pub(crate) struct OutFrame {
     pub(crate) payload: Bytes,
     /// A large read response's payload instead: the region bytes and how
     /// many of them are written, read from the region as they leave.
-    pub(crate) source: Option<(ReadSource, usize)>,
+    pub(crate) source: Option<(LocalSlice, usize)>,
     /// An answer to the peer's request (a [`Kind::Resp`] frame): counted
     /// while queued, so that a peer that does not read them is caught.
     pub(crate) answer: bool,
@@ -250,7 +250,7 @@ impl OutFrame {
     }
 
     /// A frame whose payload is read from a region when it is written.
-    pub(crate) fn from_source(mut h: Header, source: ReadSource) -> OutFrame {
+    pub(crate) fn from_source(mut h: Header, source: LocalSlice) -> OutFrame {
         h.payload_len = u32::try_from(source.len()).expect("piece size checked by decode");
         OutFrame {
             hdr: h.encode(),

@@ -87,9 +87,11 @@ put_lat, get_lat, tag_lat = ucx("ucx_put_lat"), ucx("ucx_get_lat"), ucx("ucx_tag
 put_sleep = ucx("ucx_put_lat_sleep")
 put_bw, get_bw = ucx("ucx_put_bw_1m"), ucx("ucx_get_bw_1m")
 tag_bw_runs = [x for x in (ucx(f"ucx_tag_bw_1m_r{r}") for r in (1, 2, 3)) if x]
-tag_bw = (None, med([x[1] for x in tag_bw_runs])[0]) if tag_bw_runs else None
-stream_runs = [rdmx(f"rdmx_stream_r{r}") for r in (1, 2, 3)]
-stream_runs = [x for x in stream_runs if x]
+# (median MB/s, spread %) of UCX tag_bw, and of each rdmx streaming op.
+tag_bw = med([x[1] * MIB_TO_MB for x in tag_bw_runs]) if tag_bw_runs else None
+stream_runs = [x for x in (rdmx(f"rdmx_stream_r{r}") for r in (1, 2, 3)) if x]
+stream = {op: med([(find(run_, op, 1048576) or {}).get("mb_per_s") for run_ in stream_runs])
+          for op in ("write", "read", "send")}
 fi8, fi1m = fabric("fi_pingpong_8"), fabric("fi_pingpong_1m")
 
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -156,9 +158,8 @@ if get_bw:
     w(f"| UCX tcp | ucp_get, 16 outstanding | {f(get_bw[1] * MIB_TO_MB, 1)} | `{cmd('ucx_get_bw_1m')}` |")
 if tag_bw:
     w(f"| UCX tcp | tag_bw (tagged send/receive), median of {len(tag_bw_runs)} | "
-      f"{f(tag_bw[1] * MIB_TO_MB, 1)} | `{cmd('ucx_tag_bw_1m_r1')}` |")
-for op in ("write", "read", "send"):
-    mine, spread = med([(find(run_, op, 1048576) or {}).get("mb_per_s") for run_ in stream_runs])
+      f"{f(tag_bw[0], 1)} | `{cmd('ucx_tag_bw_1m_r1')}` |")
+for op, (mine, spread) in stream.items():
     if mine:
         w(f"| rdmx tcp, two processes (UCX's shape) | {op}, 16 in flight, median of {len(stream_runs)} "
           f"(±{f(spread, 0)}%) | {f(mine, 1)} | `{cmd('rdmx_stream_r1')}` |")
@@ -405,10 +406,9 @@ if tonic_runs:
 w("## Targets (issue 14), checked by the script\n")
 w("| target | measured | met |")
 w("|---|---|---|")
-if tag_bw and stream_runs:
-    ucx_tag, ucx_spread = med([x[1] * MIB_TO_MB for x in tag_bw_runs])
-    for op in ("write", "read", "send"):
-        mine, spread = med([(find(run_, op, 1048576) or {}).get("mb_per_s") for run_ in stream_runs])
+if tag_bw:
+    ucx_tag, ucx_spread = tag_bw
+    for op, (mine, spread) in stream.items():
         if mine:
             target(f"1 MiB, 16 in flight, two processes: rdmx tcp {op} ≥ UCX tag_bw over TCP "
                    f"(medians of {len(stream_runs)})",

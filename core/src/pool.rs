@@ -74,16 +74,6 @@ pub fn freeze(buf: Vec<u8>, len: usize) -> Bytes {
     Bytes::from_owner(Pooled { buf, len })
 }
 
-/// A copy of `data` in a pooled buffer (plain allocation when small).
-pub fn copy(data: &[u8]) -> Bytes {
-    if data.len() < MIN_CLASS {
-        return Bytes::copy_from_slice(data);
-    }
-    let mut buf = take(data.len());
-    buf[..data.len()].copy_from_slice(data);
-    freeze(buf, data.len())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

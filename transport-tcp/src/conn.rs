@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use rdmx_core::stats::Stats;
 use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
-    LocalSlice, RawConnection, RemoteRegion, Result, Support,
+    RawConnection, RemoteRegion, Result, Support,
 };
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -466,13 +466,6 @@ impl Shared {
         Ok(())
     }
 
-    /// [`Shared::enqueue`] for a read response whose payload is `source`:
-    /// written straight from the region (now if the socket is idle, else
-    /// when its turn comes), never copied in between.
-    fn enqueue_source(&self, h: Header, source: LocalSlice) -> Result<()> {
-        self.enqueue(OutFrame::from_source(h, source))
-    }
-
     async fn writer(self: Arc<Self>) {
         let mut batch: VecDeque<OutFrame> = VecDeque::new();
         loop {
@@ -777,7 +770,7 @@ impl Shared {
                 let res = if len as usize >= DIRECT_MIN {
                     self.domain
                         .remote_read_source(h.rkey, h.addr, h.a, h.b, len)
-                        .map(|src| self.enqueue_source(resp, src))
+                        .map(|src| self.enqueue(OutFrame::from_source(resp, src)))
                 } else {
                     self.domain
                         .remote_read(h.rkey, h.addr, h.a, h.b, len)

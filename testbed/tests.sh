@@ -75,6 +75,13 @@ ns() { ip netns exec "$NS" "$@"; }
 # `ip netns exec` execs, so the pid is CMD's own)
 bg() { ip netns exec "$NS" "$@" & BG+=($!); }
 guest() { "$HERE/guest.sh" "$@"; }
+# WHY: what failed and how, one line each, printed again after the summary
+# (CI shows only the end of the output)
+WHY=()
+# failed MSG: note that MSG went wrong in the test being run; returns 1
+failed_because() { WHY+=("$CURRENT: $*"); return 1; }
+# tail_of FILE...: the last lines of each FILE, on one line
+tail_of() { local f; for f; do printf '[%s] %s ' "${f##*/}" "$(tail -n 3 "$f" 2>/dev/null | tr '\n' ';')"; done; }
 
 # wait_tcp ADDR PORT SECONDS: until something listens there (from the netns)
 wait_tcp() {
@@ -165,6 +172,7 @@ ok = r.get("verified") is True and r.get("bytes") == n and want_client in r.get(
      and "go-back-N" in r.get("provider", "")
 sys.exit(0 if ok else 1)
 PY
+  (($? == 0)) || failed_because "$tag: $(tail_of "$OUT/$tag.client" "$OUT/$tag.server")"
 }
 
 t_soft-hw() {
@@ -181,16 +189,18 @@ t_soft-hw() {
   local ops=send,write,read,cas,faa sizes=0,8,4k,64k,1m,16m
   net_up
   bg "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/perf-host-serves.server" 2>&1
-  wait_tcp 198.18.0.1 7471 10 || fails=$((fails + 1))
+  wait_tcp 198.18.0.1 7471 10 || { failed_because "host perf server did not start"; fails=$((fails + 1)); }
   guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 -- "$RDMX" perf client \
     rdma://198.18.0.1:7471 --op "$ops" --sizes "$sizes" --iters 20 --duration-ms 200 --window 2 \
-    --policy require > "$OUT/perf-host-serves.client" 2>&1 || fails=$((fails + 1))
+    --policy require > "$OUT/perf-host-serves.client" 2>&1 ||
+    { failed_because "perf, host serves: $(tail_of "$OUT"/perf-host-serves.{client,server})"; fails=$((fails + 1)); }
   cleanup
   cat "$OUT/perf-host-serves.client"
   # write and read at 6 sizes, send at 5 (perf's echo protocol has no
   # 0-byte send; the conformance suite on rxe sends 0-byte messages), cas and
   # faa at 8 bytes: 19 rows
-  [[ $(grep -c '^rdma ' "$OUT/perf-host-serves.client") == 19 ]] || fails=$((fails + 1))
+  [[ $(grep -c '^rdma ' "$OUT/perf-host-serves.client") == 19 ]] ||
+    { failed_because "perf, host serves: not 19 rows"; fails=$((fails + 1)); }
   net_up
   mkdir -p "$OUT/flag.perf"
   guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 --rw "$OUT/flag.perf" -c \
@@ -200,13 +210,18 @@ t_soft-hw() {
   if wait_tcp 198.18.0.2 7471 60; then
     ns env RDMX_RDMA_PROVIDER=soft "$RDMX" perf client rdma://198.18.0.2:7471 --op "$ops" \
       --sizes "$sizes" --iters 20 --duration-ms 200 --window 2 --policy require \
-      > "$OUT/perf-guest-serves.client" 2>&1 || fails=$((fails + 1))
+      > "$OUT/perf-guest-serves.client" 2>&1 ||
+      { failed_because "perf, guest serves: $(tail_of "$OUT"/perf-guest-serves.{client,server})"; fails=$((fails + 1)); }
+  else
+    failed_because "guest perf server did not start: $(tail_of "$OUT/perf-guest-serves.server")"
+    fails=$((fails + 1))
   fi
   touch "$OUT/flag.perf/done"
   wait "$g"
   cleanup
   cat "$OUT/perf-guest-serves.client"
-  [[ $(grep -c '^rdma ' "$OUT/perf-guest-serves.client") == 19 ]] || fails=$((fails + 1))
+  [[ $(grep -c '^rdma ' "$OUT/perf-guest-serves.client") == 19 ]] ||
+    { failed_because "perf, guest serves: not 19 rows"; fails=$((fails + 1)); }
   ((fails == 0))
 }
 
@@ -331,6 +346,8 @@ t_captures() {
   check_capture "$OUT/soft-rxe-verbs.pcapng" SEND_ONLY SEND_FIRST SEND_MIDDLE SEND_LAST \
     SEND_ONLY_WITH_IMMEDIATE SEND_LAST_WITH_IMMEDIATE ACKNOWLEDGE RNR NAK || why+=("soft-rxe-verbs capture: $CHECK_WHY")
   ((${#why[@]} == 0)) && return 0
+  local w
+  for w in "${why[@]}"; do failed_because "$w"; done
   printf 'captures failed: %s\n' "${why[@]}"
   return 1
 }
@@ -593,12 +610,14 @@ failed=()
 for t in $TESTS; do
   declare -F "t_$t" >/dev/null || { echo "tests.sh: no test $t (have: $ALL)" >&2; exit 2; }
   echo "=== $t"
+  CURRENT=$t
   start=$SECONDS
   if "t_$t"; then r=PASS; else r=FAIL; failed+=("$t"); fi
   echo "=== $t: $r ($((SECONDS - start)) s)"
 done
 echo "logs: $OUT"
 if ((${#failed[@]})); then
+  ((${#WHY[@]} == 0)) || printf 'why: %s\n' "${WHY[@]}"
   echo "FAILED: ${failed[*]}"
   exit 1
 fi

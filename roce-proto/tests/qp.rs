@@ -957,6 +957,56 @@ fn invalid_opcode_sequence_is_nak_invalid_request() {
     assert_eq!(qp.poll_completion().unwrap().status, WcStatus::Flushed);
 }
 
+/// A QP in ERROR takes what is posted to it and completes it at once,
+/// flushed (IBTA C10-42, C10-97.2.1), as a NIC does: the QP can go to ERROR
+/// on its own just before its owner posts, and the owner learns of it from
+/// the flushed completion. Nothing is sent.
+#[test]
+fn posts_to_a_qp_in_error_complete_flushed() {
+    let mut qp = rdmx_roce_proto::Qp::new(QpConfig::default(), 5);
+    qp.connect(6, 0, 100).unwrap();
+    qp.enter_error();
+    qp.post_send(
+        7,
+        WorkRequest::Write {
+            data: Bytes::from_static(b"abc"),
+            va: 0x1000,
+            rkey: 9,
+            imm: None,
+        },
+    )
+    .unwrap();
+    qp.post_send(
+        8,
+        WorkRequest::Atomic {
+            va: 0x2000,
+            rkey: 9,
+            op: Atomic::CompareSwap {
+                compare: 1,
+                swap: 2,
+            },
+        },
+    )
+    .unwrap();
+    qp.post_recv(9, 64).unwrap();
+    let got: Vec<(u64, WcStatus, WcOpcode)> =
+        std::iter::from_fn(|| qp.poll_completion().map(|c| (c.wr_id, c.status, c.opcode)))
+            .collect();
+    assert_eq!(
+        got,
+        vec![
+            (7, WcStatus::Flushed, WcOpcode::Write),
+            (8, WcStatus::Flushed, WcOpcode::CompareSwap),
+            (9, WcStatus::Flushed, WcOpcode::Recv),
+        ]
+    );
+    assert!(
+        qp.poll_transmit(0).is_none(),
+        "a QP in ERROR sent something"
+    );
+    assert_eq!(qp.outstanding(), 0);
+}
+
 /// DCQCN in the loop: CE marks make the receiver send CNPs (at most one per
 /// 50 µs), the sender cuts its rate and paces, data stays exact, and the rate
 /// recovers to line rate once marking stops.

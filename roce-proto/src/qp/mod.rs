@@ -325,7 +325,14 @@ impl SendWqe {
     }
 
     fn opcode(&self) -> WcOpcode {
-        match &self.wr {
+        self.wr.wc_opcode()
+    }
+}
+
+impl WorkRequest {
+    /// The opcode of this request's completion.
+    fn wc_opcode(&self) -> WcOpcode {
+        match self {
             WorkRequest::Send { .. } => WcOpcode::Send,
             WorkRequest::Write { .. } => WcOpcode::Write,
             WorkRequest::Read { .. } => WcOpcode::Read,
@@ -690,17 +697,39 @@ impl Qp {
         self.sq.len()
     }
     /// Post a receive able to hold `max_len` bytes.
+    /// In ERROR the receive is taken and completed at once, flushed.
     pub fn post_recv(&mut self, wr_id: u64, max_len: usize) -> Result<(), QpError> {
         match self.state {
             QpState::Init | QpState::Rtr | QpState::Rts => {
                 self.rq.push_back(RecvWqe { wr_id, max_len });
                 Ok(())
             }
+            // IBTA vol. 1 C10-42: a receive posted in the Error state
+            // completes with a flush error.
+            QpState::Error => {
+                self.completions.push_back(Completion::new(
+                    wr_id,
+                    WcStatus::Flushed,
+                    WcOpcode::Recv,
+                ));
+                Ok(())
+            }
             s => Err(QpError::State(s)),
         }
     }
-    /// Post a send-queue work request.
+    /// Post a send-queue work request. In ERROR the request is taken and
+    /// completed at once, flushed, as by a NIC: a QP can go to ERROR on its
+    /// own (a NAK, retries exhausted) between the owner's look at its state
+    /// and the post.
     pub fn post_send(&mut self, wr_id: u64, wr: WorkRequest) -> Result<(), QpError> {
+        // IBTA vol. 1 C10-97.2.1: send work requests posted in the Error
+        // state complete with a flush error.
+        if self.state == QpState::Error {
+            let opcode = wr.wc_opcode();
+            self.completions
+                .push_back(Completion::new(wr_id, WcStatus::Flushed, opcode));
+            return Ok(());
+        }
         self.expect(QpState::Rts)?;
         let pmtu = self.cfg.pmtu as usize;
         let segs = |len: usize| len.div_ceil(pmtu).max(1) as u32;

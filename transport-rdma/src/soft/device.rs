@@ -1273,12 +1273,16 @@ impl QueuePair for SoftQpHandle {
     }
 
     fn post_recv(&self, wr_id: u64, max_len: usize) -> Result<()> {
-        self.0
-            .inner
-            .lock()
-            .qp
-            .post_recv(wr_id, max_len)
-            .map_err(qp_err)
+        let flushed = {
+            let mut g = self.0.inner.lock();
+            g.qp.post_recv(wr_id, max_len).map_err(qp_err)?;
+            g.qp.state() == rdmx_roce_proto::QpState::Error
+        };
+        // In ERROR the receive completed at once (flushed): deliver it.
+        if flushed {
+            self.0.pump();
+        }
+        Ok(())
     }
 
     fn state(&self) -> QpState {

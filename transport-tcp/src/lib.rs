@@ -21,15 +21,18 @@
 //! Fast paths: `TCP_NODELAY`; a lone request is written directly by the caller;
 //! requests made while others are in flight leave together at the end of the
 //! scheduler tick, and answers to a burst of buffered requests in one `writev`;
-//! payloads are `Bytes` handed to the kernel without copies; optional busy
+//! payloads are `Bytes` handed to the kernel without copies; the rest of a
+//! large payload is awaited under a receive low-water mark (one wake-up per
+//! message, not per segment); optional busy
 //! polling ([`rdmx_core::Options::busy_poll`]) for latency-critical users.
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod conn;
 pub mod frame;
 pub mod handshake;
+mod lowat;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -734,3 +734,36 @@ async fn write_acknowledgements_ride_with_the_next_frame() {
         .unwrap_err();
     assert!(matches!(e, Error::RemoteAccess(_)), "refused write: {e}");
 }
+
+/// A large message that trickles in (the reader sleeps on a receive
+/// low-water mark while it is owed) arrives whole, and a small message right
+/// behind it arrives at once: the mark is put back once the payload is in.
+#[tokio::test]
+async fn a_message_after_a_slow_large_one_is_not_held_back() {
+    let opts = Options::default();
+    let (mut l, addr) = listen(&opts).await;
+    let mut s = raw_client(&addr).await;
+    let srv = l.accept().await.unwrap();
+    let big: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut h = Header::new(Kind::Send);
+    h.payload_len = big.len() as u32;
+    s.write_all(&h.encode()).await.unwrap();
+    for piece in big.chunks(96 << 10) {
+        s.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let got = tokio::time::timeout(Duration::from_secs(5), srv.recv_message())
+        .await
+        .expect("the large message never arrived")
+        .unwrap();
+    assert!(got[..] == big[..], "the large message arrived changed");
+    let mut small = Header::new(Kind::Send);
+    small.payload_len = 5;
+    s.write_all(&small.encode()).await.unwrap();
+    s.write_all(b"after").await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(2), srv.recv_message())
+        .await
+        .expect("a small message behind a large one was held back")
+        .unwrap();
+    assert_eq!(&got[..], b"after");
+}

@@ -66,8 +66,68 @@ pub fn compute(ip: &[u8], udp: &[u8], transport: &[u8]) -> u32 {
 /// IPv6 has no such field and is verified exactly.
 #[derive(Debug, Default)]
 pub struct Ipv4IdSolver {
-    /// Per number of bytes after the Identification field: the 16 basis vectors.
-    basis: std::collections::HashMap<usize, [u32; 16]>,
+    /// Per number of bytes after the Identification field: the system's
+    /// basis, already eliminated (the work per packet is then a reduction).
+    echelons: std::collections::HashMap<usize, Echelon>,
+    /// The last length looked up and its echelon (datagrams of a stream
+    /// mostly share a length).
+    last: Option<(usize, Echelon)>,
+}
+
+/// Lengths a solver keeps eliminated bases for; past that the cache starts
+/// over (a peer choosing lengths cannot grow it without bound).
+const MAX_CACHED_LENGTHS: usize = 4096;
+
+/// A basis of 16 vectors over GF(2)³² in echelon form: rows with distinct
+/// leading bits, the highest first, each with the combination of original
+/// basis vectors (bit i: vector i) that sums to it.
+#[derive(Clone, Copy, Debug)]
+struct Echelon {
+    rows: [(u32, u16); 16],
+    len: usize,
+}
+
+impl Echelon {
+    /// Gaussian elimination of `basis`, pivoting on the highest bit first.
+    fn of(basis: &[u32; 16]) -> Echelon {
+        let mut rest: [(u32, u16); 16] = std::array::from_fn(|i| (basis[i], 1u16 << i));
+        let mut left = 16;
+        let mut e = Echelon {
+            rows: [(0, 0); 16],
+            len: 0,
+        };
+        for bit in (0..32).rev() {
+            let mask = 1u32 << bit;
+            let Some(p) = rest[..left].iter().position(|r| r.0 & mask != 0) else {
+                continue;
+            };
+            let pivot = rest[p];
+            left -= 1;
+            rest.swap(p, left);
+            for r in rest[..left].iter_mut() {
+                if r.0 & mask != 0 {
+                    r.0 ^= pivot.0;
+                    r.1 ^= pivot.1;
+                }
+            }
+            e.rows[e.len] = pivot;
+            e.len += 1;
+        }
+        e
+    }
+
+    /// Find `x` with `⊕ { basis[i] : bit i of x }` = `target`, if there is one.
+    fn solve(&self, target: u32) -> Option<u16> {
+        let (mut t, mut x) = (target, 0u16);
+        for &(v, c) in &self.rows[..self.len] {
+            let top = 31 - v.leading_zeros();
+            if t & (1 << top) != 0 {
+                t ^= v;
+                x ^= c;
+            }
+        }
+        (t == 0).then_some(x)
+    }
 }
 
 impl Ipv4IdSolver {
@@ -76,22 +136,36 @@ impl Ipv4IdSolver {
         Ipv4IdSolver::default()
     }
 
-    fn basis_for(&mut self, after: usize) -> [u32; 16] {
-        *self.basis.entry(after).or_insert_with(|| {
-            let zeros = vec![0u8; after + 2];
-            let z = crc32fast::hash(&zeros);
-            let mut b = [0u32; 16];
-            let mut m = zeros.clone();
-            for (i, v) in b.iter_mut().enumerate() {
-                // Bit i of the 16-bit field (big endian on the wire).
-                m[0] = 0;
-                m[1] = 0;
-                let bit = 1u16 << i;
-                m[..2].copy_from_slice(&bit.to_be_bytes());
-                *v = crc32fast::hash(&m) ^ z;
+    /// The 16 basis vectors for `after` bytes following the field: the ICRC
+    /// change that setting each bit of the field makes.
+    fn basis(after: usize) -> [u32; 16] {
+        let zeros = vec![0u8; after + 2];
+        let z = crc32fast::hash(&zeros);
+        let mut b = [0u32; 16];
+        let mut m = zeros;
+        for (i, v) in b.iter_mut().enumerate() {
+            // Bit i of the 16-bit field (big endian on the wire).
+            m[..2].copy_from_slice(&(1u16 << i).to_be_bytes());
+            *v = crc32fast::hash(&m) ^ z;
+        }
+        b
+    }
+
+    fn echelon_for(&mut self, after: usize) -> Echelon {
+        if let Some((n, e)) = self.last {
+            if n == after {
+                return e;
             }
-            b
-        })
+        }
+        if self.echelons.len() >= MAX_CACHED_LENGTHS {
+            self.echelons.clear();
+        }
+        let e = *self
+            .echelons
+            .entry(after)
+            .or_insert_with(|| Echelon::of(&Self::basis(after)));
+        self.last = Some((after, e));
+        e
     }
 
     /// The Identification value under which `wire_icrc` is the packet's ICRC,
@@ -113,43 +187,8 @@ impl Ipv4IdSolver {
         // Bytes after the Identification field: rest of the IP header (from
         // offset 6), UDP header, transport bytes.
         let after = (ip.len() - 6) + udp.len() + transport.len();
-        let basis = self.basis_for(after);
-        solve_gf2(&basis, c0 ^ wire_icrc)
+        self.echelon_for(after).solve(c0 ^ wire_icrc)
     }
-}
-
-/// Find `x` with `⊕ { basis[i] : bit i of x }` = `target` (Gaussian elimination).
-fn solve_gf2(basis: &[u32; 16], target: u32) -> Option<u16> {
-    // Rows: (vector, combination of original indices that produced it).
-    let mut rows: Vec<(u32, u16)> = basis
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (v, 1u16 << i))
-        .collect();
-    let mut t = (target, 0u16);
-    let mut pivot_rows: Vec<(u32, u16)> = Vec::with_capacity(16);
-    for bit in (0..32).rev() {
-        let mask = 1u32 << bit;
-        let Some(p) = rows.iter().position(|r| r.0 & mask != 0) else {
-            continue;
-        };
-        let pr = rows.swap_remove(p);
-        for r in rows.iter_mut() {
-            if r.0 & mask != 0 {
-                r.0 ^= pr.0;
-                r.1 ^= pr.1;
-            }
-        }
-        pivot_rows.push(pr);
-    }
-    for &(v, c) in &pivot_rows {
-        let top = 31 - v.leading_zeros();
-        if t.0 & (1 << top) != 0 {
-            t.0 ^= v;
-            t.1 ^= c;
-        }
-    }
-    (t.0 == 0).then_some(t.1)
 }
 
 #[cfg(test)]
@@ -191,5 +230,31 @@ mod tests {
         assert_eq!(compute(&ip2, &udp2, &t2), compute(ip, udp, t));
         t2[11] ^= 1; // the PSN is covered
         assert_ne!(compute(&ip2, &udp2, &t2), compute(ip, udp, t));
+    }
+
+    proptest::proptest! {
+        /// Any Identification under which a packet was sealed is recovered
+        /// from its ICRC, whatever the header says and whatever solves came
+        /// before it (the cache of eliminated bases is per length).
+        #[test]
+        fn the_sealing_identification_is_recovered(
+            id in proptest::prelude::any::<u16>(),
+            shown in proptest::prelude::any::<u16>(),
+            t in proptest::collection::vec(proptest::prelude::any::<u8>(), 12..600),
+            earlier in proptest::collection::vec(12usize..600, 0..4),
+        ) {
+            let mut ip = hex("4502004c 0000 4000 4011 0000 0a000001 0a000002");
+            let udp = hex("c123 12b7 0038 0000");
+            let mut solver = Ipv4IdSolver::new();
+            for n in earlier {
+                let other = vec![7u8; n];
+                let c = compute(&ip, &udp, &other);
+                proptest::prop_assert_eq!(solver.solve(&ip, &udp, &other, c), Some(0));
+            }
+            ip[4..6].copy_from_slice(&id.to_be_bytes());
+            let wire = compute(&ip, &udp, &t);
+            ip[4..6].copy_from_slice(&shown.to_be_bytes());
+            proptest::prop_assert_eq!(solver.solve(&ip, &udp, &t, wire), Some(id));
+        }
     }
 }

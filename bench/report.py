@@ -176,11 +176,19 @@ def target(name, measured, ok):
     w(f"| {name} | {measured} | {'yes' if ok else 'no' if ok is not None else 'not measured'} |")
 
 
-for mode, rows in (("interrupt", irq), ("busy-poll", poll)):
+for mode, rows, key in (("interrupt", irq, "irq"), ("busy-poll", poll, "poll")):
+    # Medians of the interleaved 8 B rounds where the run has them (a single
+    # run of a 15 µs round trip moves by a fifth on this VM), else the sweep.
+    rounds = [x for x in (rdmx(f"rdmx_lat8_{key}_r{r}") for r in (1, 2, 3)) if x]
     for op in ("send", "write", "read"):
-        r = find(rows, op, 8)
-        ratio = r.get("lat_ratio") if r else None
-        target(f"8 B {op} round trip ≤ 1.2 × raw TCP ({mode})", f"{f(ratio)} ×",
+        if rounds:
+            ratio, spread = med([(find(x, op, 8) or {}).get("lat_ratio") for x in rounds])
+            measured = f"{f(ratio)} × (median of {len(rounds)}, ±{f(spread, 0)}%)"
+        else:
+            r = find(rows, op, 8)
+            ratio = r.get("lat_ratio") if r else None
+            measured = f"{f(ratio)} ×"
+        target(f"8 B {op} round trip ≤ 1.2 × raw TCP ({mode})", measured,
                None if ratio is None else ratio <= 1.2)
 best_w = min([x for x in (find(irq, "write", 8), find(poll, "write", 8)) if x], key=lambda r: r["p50_us"], default=None)
 best_r = min([x for x in (find(irq, "read", 8), find(poll, "read", 8)) if x], key=lambda r: r["p50_us"], default=None)
@@ -196,6 +204,9 @@ for op in ("write", "read"):
     if r and ucx_best:
         target(f"1 MiB {op} bandwidth ≥ UCX's best 1 MiB figure",
                f"{f(r['mb_per_s'], 1)} vs {f(ucx_best, 1)} MB/s", r["mb_per_s"] >= ucx_best)
+if rdmx("rdmx_lat8_irq_r1"):
+    w("\nThe 8 B round-trip targets are medians of the per-round ratios to raw TCP over interleaved rounds of "
+      f"`{cmd('rdmx_lat8_irq_r1')}` and `{cmd('rdmx_lat8_poll_r1')}`.")
 w("")
 
 rdma = rdmx("rdmx_rdma")

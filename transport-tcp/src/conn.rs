@@ -123,7 +123,15 @@ struct Resp {
     status: u8,
     value: u64,
     payload: Bytes,
+    /// Payload bytes the reader received straight into the request's
+    /// [`ReadSink`] instead of into `payload`.
+    filled: usize,
 }
+
+/// Where the pieces of one multi-piece read land: one buffer, taken out by
+/// the connection's reader while it receives a piece's response straight
+/// into the piece's place (no buffer per piece, no copy to join them).
+type ReadSink = Arc<Mutex<Option<Vec<u8>>>>;
 
 pub(crate) struct Shared {
     stream: TcpStream,
@@ -139,6 +147,8 @@ pub(crate) struct Shared {
     write_drained: Notify,
 
     pending: Mutex<HashMap<u64, oneshot::Sender<Resp>>>,
+    /// Read pieces whose responses go straight into a [`ReadSink`], at an offset.
+    sinks: Mutex<HashMap<u64, (ReadSink, usize)>>,
     next_id: AtomicU64,
     inflight: Semaphore,
     read_budget: Semaphore,
@@ -238,6 +248,7 @@ impl TcpConnection {
             writer_wake: Notify::new(),
             write_drained: Notify::new(),
             pending: Mutex::new(HashMap::new()),
+            sinks: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             inflight: Semaphore::new(s.max_inflight as usize),
             read_budget: Semaphore::new(READ_OUTSTANDING),
@@ -293,6 +304,7 @@ impl Shared {
         self.wq.lock().closed = true;
         // Dropping the senders wakes every waiting operation with the close error.
         self.pending.lock().clear();
+        self.sinks.lock().clear();
         self.credit_wake.notify_waiters();
         self.recv_wake.notify_waiters();
         self.writer_wake.notify_one();
@@ -655,6 +667,42 @@ impl Shared {
         Ok(pool::freeze(dst, need))
     }
 
+    /// Receive a large read response straight into its read's [`ReadSink`],
+    /// if it has one that the payload fits; `false` if not (the caller then
+    /// receives it as any payload, and the read checks its length).
+    async fn read_into_sink(&self, h: &Header, buf: &mut BytesMut) -> Result<bool> {
+        let need = h.payload_len as usize;
+        let Some((sink, off)) = self.sinks.lock().remove(&h.id) else {
+            return Ok(false);
+        };
+        let Some(mut dst) = sink.lock().take() else {
+            return Ok(false);
+        };
+        if off + need > dst.len() {
+            *sink.lock() = Some(dst);
+            return Ok(false);
+        }
+        let have = buf.len().min(need);
+        dst[off..off + have].copy_from_slice(&buf.split_to(have));
+        self.read_rest(have, need, |pos| {
+            self.stream.try_read(&mut dst[off + pos..off + need])
+        })
+        .await?;
+        *sink.lock() = Some(dst);
+        self.stats.add(|s| &s.bytes_received, need as u64);
+        // A response whose read was dropped finds no waiter: its bytes went
+        // into a buffer nobody reads.
+        if let Some(tx) = self.pending.lock().remove(&h.id) {
+            let _ = tx.send(Resp {
+                status: h.status,
+                value: h.a,
+                payload: Bytes::new(),
+                filled: need,
+            });
+        }
+        Ok(true)
+    }
+
     /// Receive a large write piece straight into the target region: what is
     /// already buffered is copied, the rest goes from the socket to the region
     /// with no intermediate buffer. A refused piece is drained and discarded.
@@ -741,6 +789,9 @@ impl Shared {
             if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
                 uncork(&mut corked);
                 buf.advance(HEADER_LEN);
+                if h.kind == Kind::Resp && self.read_into_sink(&h, &mut buf).await? {
+                    continue;
+                }
                 if h.kind == Kind::Write {
                     self.check_answers_read()?;
                     self.write_direct(&h, &mut buf).await?;
@@ -852,6 +903,7 @@ impl Shared {
                         status: h.status,
                         value: h.a,
                         payload,
+                        filled: 0,
                     });
                 }
             }
@@ -928,17 +980,36 @@ impl Shared {
     // ------------------------------------------------------------- requesting
 
     /// Send a request frame and wait for its response.
-    async fn request(self: &Arc<Self>, mut h: Header, payload: Bytes) -> Result<Resp> {
+    async fn request(self: &Arc<Self>, h: Header, payload: Bytes) -> Result<Resp> {
+        self.request_into(h, payload, None).await
+    }
+
+    /// [`request`](Self::request), its response payload received into `sink`
+    /// at an offset when it comes in large.
+    async fn request_into(
+        self: &Arc<Self>,
+        mut h: Header,
+        payload: Bytes,
+        sink: Option<(ReadSink, usize)>,
+    ) -> Result<Resp> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         h.id = id;
         let (tx, rx) = oneshot::channel();
+        let has_sink = sink.is_some();
+        if let Some(s) = sink {
+            self.sinks.lock().insert(id, s);
+        }
         let others_in_flight = {
             let mut pending = self.pending.lock();
             pending.insert(id, tx);
             pending.len() > 1
         };
         // Removes the waiter if this future is dropped before the response.
-        let _guard = PendingGuard { shared: self, id };
+        let _guard = PendingGuard {
+            shared: self,
+            id,
+            sink: has_sink,
+        };
         if let Some(e) = self.closed_error() {
             return Err(e);
         }
@@ -961,20 +1032,31 @@ impl Shared {
             .map_err(|_| self.disconnected())?;
         let pieces = pieces(src.len);
         if pieces.len() == 1 {
-            return self.read_piece(src, 0, src.len).await;
+            return self.read_piece(src, 0, src.len, None).await;
         }
+        // Every piece lands in one buffer, in place.
+        let total = src.len as usize;
+        let sink: ReadSink = Arc::new(Mutex::new(Some(pool::take(total))));
         let futs: Vec<_> = pieces
             .into_iter()
-            .map(|(off, len)| self.read_piece(src, off, len))
+            .map(|(off, len)| self.read_piece(src, off, len, Some(&sink)))
             .collect();
-        let mut out = BytesMut::with_capacity(src.len as usize);
         for part in join_all(futs).await {
-            out.extend_from_slice(&part?);
+            part?;
         }
-        Ok(out.freeze())
+        let buf = sink.lock().take().ok_or_else(|| self.disconnected())?;
+        Ok(pool::freeze(buf, total))
     }
 
-    async fn read_piece(self: &Arc<Self>, src: RemoteRegion, off: u64, len: u64) -> Result<Bytes> {
+    /// Read `len` bytes at `off` of `src`: into `sink` at `off` (then the
+    /// returned bytes are empty) or, without one, as the returned bytes.
+    async fn read_piece(
+        self: &Arc<Self>,
+        src: RemoteRegion,
+        off: u64,
+        len: u64,
+        sink: Option<&ReadSink>,
+    ) -> Result<Bytes> {
         let _budget = self
             .read_budget
             .acquire_many(len.max(1) as u32)
@@ -986,15 +1068,25 @@ impl Shared {
         h.a = src.len;
         h.b = off;
         h.imm = len as u32;
-        let r = self.request(h, Bytes::new()).await?;
+        let r = self
+            .request_into(h, Bytes::new(), sink.map(|s| (s.clone(), off as usize)))
+            .await?;
         status(r.status)?;
-        if r.payload.len() as u64 != len {
+        let got = r.payload.len() + r.filled;
+        if got as u64 != len {
             let e = Error::Protocol(format!(
-                "read response of {} bytes for a {len}-byte piece",
-                r.payload.len()
+                "read response of {got} bytes for a {len}-byte piece"
             ));
             self.fail(e.clone());
             return Err(e);
+        }
+        if let (Some(s), false) = (sink, r.payload.is_empty()) {
+            // Short enough to have come in with other frames: copied into place.
+            let mut dst = s.lock();
+            let dst = dst.as_mut().ok_or_else(|| self.disconnected())?;
+            let off = off as usize;
+            dst[off..off + r.payload.len()].copy_from_slice(&r.payload);
+            return Ok(Bytes::new());
         }
         Ok(r.payload)
     }
@@ -1086,6 +1178,7 @@ impl Shared {
             guards.push(PendingGuard {
                 shared: &self,
                 id: h.id,
+                sink: false,
             });
             waits.push(rx);
             self.stats.add(|s| &s.bytes_sent, plen);
@@ -1279,11 +1372,16 @@ impl Shared {
 struct PendingGuard<'a> {
     shared: &'a Shared,
     id: u64,
+    /// The request registered a [`ReadSink`] too.
+    sink: bool,
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
         self.shared.pending.lock().remove(&self.id);
+        if self.sink {
+            self.shared.sinks.lock().remove(&self.id);
+        }
     }
 }
 

@@ -767,3 +767,34 @@ async fn a_message_after_a_slow_large_one_is_not_held_back() {
         .unwrap();
     assert_eq!(&got[..], b"after");
 }
+
+/// A read of several pieces comes back byte for byte whatever its length and
+/// offset (each piece's response lands in place in one buffer), and reads
+/// dropped partway leave the connection answering the next reads exactly.
+#[tokio::test]
+async fn multi_piece_reads_land_every_byte_in_place() {
+    use rdmx_transport_tcp::frame::MAX_PIECE;
+    let opts = Options::default();
+    let (c, s) = both(opts.clone(), opts.clone()).await;
+    let (c, _s) = (c.unwrap(), s.unwrap());
+    let len = 2 * MAX_PIECE as usize + 4099;
+    let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    let mr = opts.domain.register_from(&data, Access::REMOTE_READ);
+    let whole = c.read(mr.remote()).await.unwrap();
+    assert!(whole[..] == data[..], "a {len}-byte read came back changed");
+    let part = mr.remote().slice(1, len as u64 - 1).unwrap();
+    let got = c.read(part).await.unwrap();
+    assert!(got[..] == data[1..], "a read at offset 1 came back changed");
+    for micros in [1u64, 100, 400, 1500] {
+        let dropped =
+            tokio::time::timeout(Duration::from_micros(micros), c.read(mr.remote())).await;
+        if let Ok(r) = dropped {
+            assert!(r.unwrap()[..] == data[..]);
+        }
+        let again = c.read(mr.remote()).await.unwrap();
+        assert!(
+            again[..] == data[..],
+            "a read after one dropped at {micros} µs came back changed"
+        );
+    }
+}

@@ -80,6 +80,8 @@ guest() { "$HERE/guest.sh" "$@"; }
 WHY=()
 # failed MSG: note that MSG went wrong in the test being run; returns 1
 failed_because() { WHY+=("$CURRENT: $*"); return 1; }
+# fail_step MSG: failed_because MSG, counted in the calling check's `fails`
+fail_step() { failed_because "$@"; fails=$((fails + 1)); }
 # tail_of FILE...: the last lines of each FILE, on one line
 tail_of() { local f; for f; do printf '[%s] %s ' "${f##*/}" "$(tail -n 3 "$f" 2>/dev/null | tr '\n' ';')"; done; }
 
@@ -189,18 +191,18 @@ t_soft-hw() {
   local ops=send,write,read,cas,faa sizes=0,8,4k,64k,1m,16m
   net_up
   bg "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/perf-host-serves.server" 2>&1
-  wait_tcp 198.18.0.1 7471 10 || { failed_because "host perf server did not start"; fails=$((fails + 1)); }
+  wait_tcp 198.18.0.1 7471 10 || fail_step "host perf server did not start"
   guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 -- "$RDMX" perf client \
     rdma://198.18.0.1:7471 --op "$ops" --sizes "$sizes" --iters 20 --duration-ms 200 --window 2 \
     --policy require > "$OUT/perf-host-serves.client" 2>&1 ||
-    { failed_because "perf, host serves: $(tail_of "$OUT"/perf-host-serves.{client,server})"; fails=$((fails + 1)); }
+    fail_step "perf, host serves: $(tail_of "$OUT"/perf-host-serves.{client,server})"
   cleanup
   cat "$OUT/perf-host-serves.client"
   # write and read at 6 sizes, send at 5 (perf's echo protocol has no
   # 0-byte send; the conformance suite on rxe sends 0-byte messages), cas and
   # faa at 8 bytes: 19 rows
   [[ $(grep -c '^rdma ' "$OUT/perf-host-serves.client") == 19 ]] ||
-    { failed_because "perf, host serves: not 19 rows"; fails=$((fails + 1)); }
+    fail_step "perf, host serves: not 19 rows"
   net_up
   mkdir -p "$OUT/flag.perf"
   guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 --rw "$OUT/flag.perf" -c \
@@ -211,17 +213,16 @@ t_soft-hw() {
     ns env RDMX_RDMA_PROVIDER=soft "$RDMX" perf client rdma://198.18.0.2:7471 --op "$ops" \
       --sizes "$sizes" --iters 20 --duration-ms 200 --window 2 --policy require \
       > "$OUT/perf-guest-serves.client" 2>&1 ||
-      { failed_because "perf, guest serves: $(tail_of "$OUT"/perf-guest-serves.{client,server})"; fails=$((fails + 1)); }
+      fail_step "perf, guest serves: $(tail_of "$OUT"/perf-guest-serves.{client,server})"
   else
-    failed_because "guest perf server did not start: $(tail_of "$OUT/perf-guest-serves.server")"
-    fails=$((fails + 1))
+    fail_step "guest perf server did not start: $(tail_of "$OUT/perf-guest-serves.server")"
   fi
   touch "$OUT/flag.perf/done"
   wait "$g"
   cleanup
   cat "$OUT/perf-guest-serves.client"
   [[ $(grep -c '^rdma ' "$OUT/perf-guest-serves.client") == 19 ]] ||
-    { failed_because "perf, guest serves: not 19 rows"; fails=$((fails + 1)); }
+    fail_step "perf, guest serves: not 19 rows"
   ((fails == 0))
 }
 

@@ -23,6 +23,13 @@ fn mask_ipv6(m: &mut [u8]) {
 /// IPv6), `udp` the 8-byte UDP header, `transport` the BTH through the pad
 /// (without ICRC). On the wire it is stored as `value.to_le_bytes()`.
 pub fn compute(ip: &[u8], udp: &[u8], transport: &[u8]) -> u32 {
+    compute_parts(ip, udp, &[transport])
+}
+
+/// [`compute`] with the transport bytes (BTH through pad) given in parts, as
+/// a gathered send holds them (headers, payload, pad): the same value as
+/// over their concatenation.
+pub fn compute_parts(ip: &[u8], udp: &[u8], transport: &[&[u8]]) -> u32 {
     // Masked copies of the headers on the stack (IPv4 options make it up to 60 B).
     let mut h = crc32fast::Hasher::new();
     h.update(&[0xFF; 8]);
@@ -41,15 +48,29 @@ pub fn compute(ip: &[u8], udp: &[u8], transport: &[u8]) -> u32 {
     u[6] = 0xFF; // UDP checksum
     u[7] = 0xFF;
     h.update(&u);
-    let tn = transport.len().min(12);
+    // The BTH (the first 12 transport bytes, wherever the parts split it).
     let mut t = [0u8; 12];
-    t[..tn].copy_from_slice(&transport[..tn]);
+    let mut tn = 0;
+    for p in transport {
+        let take = (12 - tn).min(p.len());
+        t[tn..tn + take].copy_from_slice(&p[..take]);
+        tn += take;
+        if tn == 12 {
+            break;
+        }
+    }
     if tn > 4 {
         t[4] = 0xFF; // BTH FECN | BECN | resv6a
     }
     h.update(&t[..tn]);
-    if transport.len() > 12 {
-        h.update(&transport[12..]);
+    let mut skip = 12;
+    for p in transport {
+        if skip >= p.len() {
+            skip -= p.len();
+            continue;
+        }
+        h.update(&p[skip..]);
+        skip = 0;
     }
     h.finalize()
 }
@@ -255,6 +276,28 @@ mod tests {
             let wire = compute(&ip, &udp, &t);
             ip[4..6].copy_from_slice(&shown.to_be_bytes());
             proptest::prop_assert_eq!(solver.solve(&ip, &udp, &t, wire), Some(id));
+        }
+    }
+
+    proptest::proptest! {
+        /// Split anywhere, the transport bytes give the ICRC of their whole.
+        #[test]
+        fn parts_give_the_icrc_of_their_concatenation(
+            t in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            cuts in proptest::collection::vec(0usize..200, 0..4),
+        ) {
+            let ip = hex("4502004c 1234 4000 4011 0000 0a000001 0a000002");
+            let udp = hex("c123 12b7 0038 0000");
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(t.len())).collect();
+            cuts.sort_unstable();
+            let mut parts = Vec::new();
+            let mut at = 0;
+            for c in cuts {
+                parts.push(&t[at..c]);
+                at = c;
+            }
+            parts.push(&t[at..]);
+            proptest::prop_assert_eq!(compute_parts(&ip, &udp, &parts), compute(&ip, &udp, &t));
         }
     }
 }

@@ -127,6 +127,22 @@ pub trait RawConnection: Send + Sync + 'static {
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>>;
     /// Read the remote range; the returned bytes are owned by the caller.
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>>;
+    /// Read the remote range into `sink` at `offset`: one part of a larger
+    /// read assembled in place (a read split over lanes). The default reads,
+    /// then copies; a transport that can receive into the sink directly
+    /// overrides it.
+    fn read_part(
+        &self,
+        src: RemoteRegion,
+        sink: crate::pool::ReadSink,
+        offset: usize,
+    ) -> BoxFuture<'static, Result<()>> {
+        let read = self.read(src);
+        Box::pin(async move {
+            let data = read.await?;
+            sink.fill(offset, &data).await
+        })
+    }
     /// Write `data` to the remote range (`data.len() == dst.len`), optionally with an
     /// immediate that the peer receives through `recv` after the data landed.
     fn write(

@@ -3,7 +3,7 @@
 //!
 //! * `rdmx_<counter>_total`: the process-wide [`crate::stats::global`] set.
 //! * `rdmx_connection_<counter>_total{conn, transport, provider, peer}`: each
-//!   open [`Connection`], labelled by the transport carrying it and its
+//!   open [`Connection`](crate::Connection), labelled by the transport carrying it and its
 //!   provider (`kernel-tcp`, `soft-roce:4791`, a NIC's device name).
 //! * `rdmx_connections_open`: how many connections are open.
 //!

@@ -5,10 +5,12 @@
 //! Large payloads are read into buffers from this pool instead, and handed to
 //! the user as [`Bytes`] whose owner returns the buffer here when dropped.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+
+use crate::{Error, Result};
 
 /// Smallest pooled size class.
 const MIN_CLASS: usize = 64 << 10;
@@ -74,6 +76,151 @@ pub fn freeze(buf: Vec<u8>, len: usize) -> Bytes {
     Bytes::from_owner(Pooled { buf, len })
 }
 
+/// One pooled buffer that the reads of several parts fill in place, each at
+/// its offset: the destination of a read split over pieces or lanes, joined
+/// without a copy. Clones share the buffer.
+///
+/// A connection's reader takes the buffer out while it receives a part into
+/// it straight from its socket ([`ReadSink::take`]); a part that arrived
+/// elsewhere meanwhile waits for it to come back to be copied in
+/// ([`ReadSink::fill`]).
+#[derive(Clone, Debug)]
+pub struct ReadSink {
+    shared: Arc<SinkShared>,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct SinkShared {
+    buf: Mutex<SinkBuf>,
+    back: tokio::sync::Notify,
+}
+
+#[derive(Debug)]
+enum SinkBuf {
+    In(Vec<u8>),
+    Out,
+    Finished,
+}
+
+impl ReadSink {
+    /// A sink for a read of `len` bytes.
+    pub fn new(len: usize) -> ReadSink {
+        ReadSink {
+            shared: Arc::new(SinkShared {
+                buf: Mutex::new(SinkBuf::In(take(len))),
+                back: tokio::sync::Notify::new(),
+            }),
+            len,
+        }
+    }
+
+    /// The length of the read it assembles.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it assembles an empty read.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `len` bytes at `offset` lie within the read.
+    pub fn fits(&self, offset: usize, len: usize) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len)
+    }
+
+    /// Copy a part that arrived elsewhere in at `offset`, once the buffer is
+    /// in (a reader may be filling another part).
+    pub async fn fill(&self, offset: usize, data: &[u8]) -> Result<()> {
+        if !self.fits(offset, data.len()) {
+            return Err(Error::Protocol(format!(
+                "a read part of {} bytes at offset {offset} does not fit a {}-byte read",
+                data.len(),
+                self.len
+            )));
+        }
+        loop {
+            let back = self.shared.back.notified();
+            tokio::pin!(back);
+            back.as_mut().enable();
+            match &mut *self.shared.buf.lock() {
+                SinkBuf::In(b) => {
+                    b[offset..offset + data.len()].copy_from_slice(data);
+                    return Ok(());
+                }
+                SinkBuf::Finished => {
+                    return Err(Error::Disconnected("the read was finished".into()))
+                }
+                SinkBuf::Out => {}
+            }
+            back.await;
+        }
+    }
+
+    /// Take the buffer out, to receive a part into it straight from a socket
+    /// without holding a lock; it comes back when the guard drops. `None`
+    /// if it is out already (or finished).
+    pub fn take(&self) -> Option<SinkGuard<'_>> {
+        let mut g = self.shared.buf.lock();
+        match std::mem::replace(&mut *g, SinkBuf::Out) {
+            SinkBuf::In(buf) => Some(SinkGuard {
+                sink: self,
+                buf: Some(buf),
+            }),
+            other => {
+                *g = other;
+                None
+            }
+        }
+    }
+
+    /// The assembled read, once every part is in (`None` if the buffer is
+    /// out or was finished already).
+    pub fn finish(&self) -> Option<Bytes> {
+        let mut g = self.shared.buf.lock();
+        match std::mem::replace(&mut *g, SinkBuf::Finished) {
+            SinkBuf::In(b) => Some(freeze(b, self.len)),
+            other => {
+                *g = other;
+                None
+            }
+        }
+    }
+}
+
+/// A [`ReadSink`]'s buffer, taken out; back in the sink when dropped.
+#[derive(Debug)]
+pub struct SinkGuard<'a> {
+    sink: &'a ReadSink,
+    buf: Option<Vec<u8>>,
+}
+
+impl std::ops::Deref for SinkGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        let b = self.buf.as_ref().expect("held until dropped");
+        &b[..self.sink.len]
+    }
+}
+
+impl std::ops::DerefMut for SinkGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let len = self.sink.len;
+        let b = self.buf.as_mut().expect("held until dropped");
+        &mut b[..len]
+    }
+}
+
+impl Drop for SinkGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            *self.sink.shared.buf.lock() = SinkBuf::In(b);
+            self.sink.shared.back.notify_waiters();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +241,30 @@ mod tests {
         assert_eq!(again.as_ptr(), ptr);
         assert_eq!(take(100).len(), MIN_CLASS);
         assert_eq!(take(MAX_CLASS + 1).len(), MAX_CLASS + 1);
+    }
+
+    #[tokio::test]
+    async fn a_read_sink_assembles_parts_in_place_and_refuses_misfits() {
+        let s = ReadSink::new(10);
+        s.fill(6, b"6789").await.unwrap();
+        let mut g = s.take().unwrap();
+        assert!(s.take().is_none(), "taken twice");
+        assert!(s.finish().is_none(), "finished while out");
+        // A part that arrives meanwhile waits for the buffer to come back.
+        let s2 = s.clone();
+        let waiting = tokio::spawn(async move { s2.fill(0, b"0").await });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        g[1..6].copy_from_slice(b"12345");
+        drop(g);
+        waiting.await.unwrap().unwrap();
+        assert!(s.fill(8, b"789").await.is_err(), "a part past the end");
+        assert!(
+            s.fill(usize::MAX, b"9").await.is_err(),
+            "an offset that overflows"
+        );
+        assert_eq!(&s.clone().finish().unwrap()[..], b"0123456789");
+        assert!(s.finish().is_none(), "finished twice");
+        assert!(s.fill(0, b"0").await.is_err(), "filled after finishing");
     }
 }

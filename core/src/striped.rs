@@ -29,7 +29,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+
+use crate::pool::ReadSink;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
@@ -347,24 +349,25 @@ impl RawConnection for StripedConnection {
 
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
         let ps = pieces(src.addr, src.len, self.inner.lanes.len());
-        let total = src.len as usize;
+        let part = move |p: &Piece| RemoteRegion {
+            addr: src.addr.wrapping_add(p.offset),
+            len: p.len,
+            rkey: src.rkey,
+        };
+        if ps.len() == 1 {
+            let parts = self.inner.spread(ps, false, move |l, p| l.read(part(&p)));
+            return Box::pin(async move { Ok(parts.await?.pop().expect("one part")) });
+        }
+        // Every lane's part lands in place in one buffer.
+        let sink = ReadSink::new(src.len as usize);
+        let s = sink.clone();
         let parts = self.inner.spread(ps, false, move |l, p| {
-            l.read(RemoteRegion {
-                addr: src.addr.wrapping_add(p.offset),
-                len: p.len,
-                rkey: src.rkey,
-            })
+            l.read_part(part(&p), s.clone(), p.offset as usize)
         });
         Box::pin(async move {
-            let mut parts = parts.await?;
-            if parts.len() == 1 {
-                return Ok(parts.pop().expect("one"));
-            }
-            let mut out = BytesMut::with_capacity(total);
-            for p in parts {
-                out.extend_from_slice(&p);
-            }
-            Ok(out.freeze())
+            parts.await?;
+            sink.finish()
+                .ok_or_else(|| Error::Disconnected("the read's buffer is gone".into()))
         })
     }
 

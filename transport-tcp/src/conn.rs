@@ -26,7 +26,7 @@ use crate::frame::{
     STATUS_OK,
 };
 use crate::handshake::{Agreed, Limits};
-use rdmx_core::pool;
+use rdmx_core::pool::{self, ReadSink};
 
 /// Frames carried by one `writev`.
 const MAX_IOV: usize = 64;
@@ -128,11 +128,6 @@ struct Resp {
     filled: usize,
 }
 
-/// Where the pieces of one multi-piece read land: one buffer, taken out by
-/// the connection's reader while it receives a piece's response straight
-/// into the piece's place (no buffer per piece, no copy to join them).
-type ReadSink = Arc<Mutex<Option<Vec<u8>>>>;
-
 pub(crate) struct Shared {
     stream: TcpStream,
     domain: Domain,
@@ -147,7 +142,9 @@ pub(crate) struct Shared {
     write_drained: Notify,
 
     pending: Mutex<HashMap<u64, oneshot::Sender<Resp>>>,
-    /// Read pieces whose responses go straight into a [`ReadSink`], at an offset.
+    /// Read pieces whose responses go straight into a [`ReadSink`], at an
+    /// offset (the reader takes the sink's buffer while it receives a piece
+    /// into its place: no buffer per piece, no copy to join them).
     sinks: Mutex<HashMap<u64, (ReadSink, usize)>>,
     next_id: AtomicU64,
     inflight: Semaphore,
@@ -675,20 +672,21 @@ impl Shared {
         let Some((sink, off)) = self.sinks.lock().remove(&h.id) else {
             return Ok(false);
         };
-        let Some(mut dst) = sink.lock().take() else {
-            return Ok(false);
-        };
-        if off + need > dst.len() {
-            *sink.lock() = Some(dst);
+        if !sink.fits(off, need) {
             return Ok(false);
         }
+        // Out: another lane's reader is filling it; this part comes the
+        // ordinary way and is copied in when the buffer is back.
+        let Some(mut dst) = sink.take() else {
+            return Ok(false);
+        };
         let have = buf.len().min(need);
         dst[off..off + have].copy_from_slice(&buf.split_to(have));
         self.read_rest(have, need, |pos| {
             self.stream.try_read(&mut dst[off + pos..off + need])
         })
         .await?;
-        *sink.lock() = Some(dst);
+        drop(dst);
         self.stats.add(|s| &s.bytes_received, need as u64);
         // A response whose read was dropped finds no waiter: its bytes went
         // into a buffer nobody reads.
@@ -1025,37 +1023,60 @@ impl Shared {
 
     async fn read(self: Arc<Self>, src: RemoteRegion) -> Result<Bytes> {
         check_rdma_len(src.len)?;
+        if pieces(src.len).len() == 1 {
+            let _permit = self
+                .inflight
+                .acquire()
+                .await
+                .map_err(|_| self.disconnected())?;
+            return self.read_piece(src, 0, src.len, None).await;
+        }
+        // Every piece lands in one buffer, in place.
+        let sink = ReadSink::new(src.len as usize);
+        self.clone().read_part(src, sink.clone(), 0).await?;
+        sink.finish().ok_or_else(|| self.disconnected())
+    }
+
+    /// Read `src` into `sink` at `offset`, each piece's response received
+    /// straight into its place.
+    async fn read_part(
+        self: Arc<Self>,
+        src: RemoteRegion,
+        sink: ReadSink,
+        offset: usize,
+    ) -> Result<()> {
+        check_rdma_len(src.len)?;
+        if !sink.fits(offset, src.len as usize) {
+            return Err(Error::InvalidArgument(format!(
+                "a read of {} bytes into a {}-byte read at offset {offset}",
+                src.len,
+                sink.len()
+            )));
+        }
         let _permit = self
             .inflight
             .acquire()
             .await
             .map_err(|_| self.disconnected())?;
-        let pieces = pieces(src.len);
-        if pieces.len() == 1 {
-            return self.read_piece(src, 0, src.len, None).await;
-        }
-        // Every piece lands in one buffer, in place.
-        let total = src.len as usize;
-        let sink: ReadSink = Arc::new(Mutex::new(Some(pool::take(total))));
-        let futs: Vec<_> = pieces
+        let futs: Vec<_> = pieces(src.len)
             .into_iter()
-            .map(|(off, len)| self.read_piece(src, off, len, Some(&sink)))
+            .map(|(off, len)| self.read_piece(src, off, len, Some((&sink, offset + off as usize))))
             .collect();
         for part in join_all(futs).await {
             part?;
         }
-        let buf = sink.lock().take().ok_or_else(|| self.disconnected())?;
-        Ok(pool::freeze(buf, total))
+        Ok(())
     }
 
-    /// Read `len` bytes at `off` of `src`: into `sink` at `off` (then the
-    /// returned bytes are empty) or, without one, as the returned bytes.
+    /// Read `len` bytes at `off` of `src`: into a sink at the given offset
+    /// (then the returned bytes are empty) or, without one, as the returned
+    /// bytes.
     async fn read_piece(
         self: &Arc<Self>,
         src: RemoteRegion,
         off: u64,
         len: u64,
-        sink: Option<&ReadSink>,
+        sink: Option<(&ReadSink, usize)>,
     ) -> Result<Bytes> {
         let _budget = self
             .read_budget
@@ -1069,7 +1090,7 @@ impl Shared {
         h.b = off;
         h.imm = len as u32;
         let r = self
-            .request_into(h, Bytes::new(), sink.map(|s| (s.clone(), off as usize)))
+            .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)))
             .await?;
         status(r.status)?;
         let got = r.payload.len() + r.filled;
@@ -1080,12 +1101,9 @@ impl Shared {
             self.fail(e.clone());
             return Err(e);
         }
-        if let (Some(s), false) = (sink, r.payload.is_empty()) {
+        if let (Some((s, at)), false) = (sink, r.payload.is_empty()) {
             // Short enough to have come in with other frames: copied into place.
-            let mut dst = s.lock();
-            let dst = dst.as_mut().ok_or_else(|| self.disconnected())?;
-            let off = off as usize;
-            dst[off..off + r.payload.len()].copy_from_slice(&r.payload);
+            s.fill(at, &r.payload).await?;
             return Ok(Bytes::new());
         }
         Ok(r.payload)
@@ -1547,6 +1565,15 @@ impl RawConnection for TcpConnection {
 
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
         Box::pin(self.shared.clone().read(src))
+    }
+
+    fn read_part(
+        &self,
+        src: RemoteRegion,
+        sink: ReadSink,
+        offset: usize,
+    ) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().read_part(src, sink, offset))
     }
 
     fn write(

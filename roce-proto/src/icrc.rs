@@ -30,39 +30,43 @@ pub fn compute(ip: &[u8], udp: &[u8], transport: &[u8]) -> u32 {
 /// a gathered send holds them (headers, payload, pad): the same value as
 /// over their concatenation.
 pub fn compute_parts(ip: &[u8], udp: &[u8], transport: &[&[u8]]) -> u32 {
-    // Masked copies of the headers on the stack (IPv4 options make it up to 60 B).
-    let mut h = crc32fast::Hasher::new();
-    h.update(&[0xFF; 8]);
-    let mut iph = [0u8; 60];
+    // The masked prefix (8 × 0xFF, IP header, UDP header, BTH) gathered on
+    // the stack and hashed in one update: a hash update per header costs
+    // more than the bytes do. IPv4 options make the IP header up to 60 B.
+    let mut pre = [0u8; 8 + 60 + 8 + 12];
+    pre[..8].fill(0xFF);
     let n = ip.len().min(60);
-    iph[..n].copy_from_slice(&ip[..n]);
+    let iph = &mut pre[8..8 + n];
+    iph.copy_from_slice(&ip[..n]);
     match ip.first().map(|b| b >> 4) {
-        Some(6) if n >= 40 => mask_ipv6(&mut iph[..n]),
-        _ if n >= 12 => mask_ipv4(&mut iph[..n]),
+        Some(6) if n >= 40 => mask_ipv6(iph),
+        _ if n >= 12 => mask_ipv4(iph),
         _ => {}
     }
-    h.update(&iph[..n]);
-    let mut u = [0u8; 8];
+    let mut at = 8 + n;
     let un = udp.len().min(8);
-    u[..un].copy_from_slice(&udp[..un]);
-    u[6] = 0xFF; // UDP checksum
-    u[7] = 0xFF;
-    h.update(&u);
+    pre[at..at + un].copy_from_slice(&udp[..un]);
+    if un < 8 {
+        pre[at + un..at + 8].fill(0);
+    }
+    pre[at + 6] = 0xFF; // UDP checksum
+    pre[at + 7] = 0xFF;
+    at += 8;
     // The BTH (the first 12 transport bytes, wherever the parts split it).
-    let mut t = [0u8; 12];
-    let mut tn = 0;
+    let bth = at;
     for p in transport {
-        let take = (12 - tn).min(p.len());
-        t[tn..tn + take].copy_from_slice(&p[..take]);
-        tn += take;
-        if tn == 12 {
+        let take = (bth + 12 - at).min(p.len());
+        pre[at..at + take].copy_from_slice(&p[..take]);
+        at += take;
+        if at == bth + 12 {
             break;
         }
     }
-    if tn > 4 {
-        t[4] = 0xFF; // BTH FECN | BECN | resv6a
+    if at > bth + 4 {
+        pre[bth + 4] = 0xFF; // BTH FECN | BECN | resv6a
     }
-    h.update(&t[..tn]);
+    let mut h = crc32fast::Hasher::new();
+    h.update(&pre[..at]);
     let mut skip = 12;
     for p in transport {
         if skip >= p.len() {

@@ -12,7 +12,7 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rdmx_core::Incoming;
@@ -42,6 +42,7 @@ pub(crate) struct SoakArgs {
     bytes: String,
     /// Size of each write and read (k/m/g = KiB/MiB/GiB), at most 128 MiB; a
     /// send larger than the peer's message limit goes as several messages.
+    /// Each operation may take 10 s plus a second per MiB.
     #[arg(long, default_value = "1m")]
     chunk: String,
     /// Server: total bytes of regions lent to all clients at once (k/m/g).
@@ -191,7 +192,11 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
     }
     let budget = Budget::new(parse_size(&a.max_memory)?);
     let (ts, dev) = transports(a.go_back_n, rdma)?;
-    let opts = Options::default();
+    let mut opts = Options::default();
+    // A soak checks data, not speed: an operation may take its usual
+    // deadline plus a second per MiB (a 16 MiB operation against rxe in an
+    // emulated guest moves at a few MB/s, slower still on a loaded host).
+    opts.op_timeout += Duration::from_secs(chunk >> 20);
     match a.role.as_str() {
         "server" => {
             if let Some(m) = &a.metrics {

@@ -1021,15 +1021,7 @@ impl SoftQp {
             let len: usize = segs[i..j].iter().sum();
             let gso = (j - i > 1).then_some(size);
             self.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
-            match gather::send(
-                &tx.sock,
-                tx.local,
-                dst,
-                ecn,
-                &inner.out,
-                &inner.grams[i..j],
-                gso,
-            ) {
+            match gather::send(&tx.sock, dst, ecn, &inner.out, &inner.grams[i..j], gso) {
                 Ok(()) => {
                     let c = &self.dev.counters;
                     c.tx_packets.fetch_add((j - i) as u64, Ordering::Relaxed);

@@ -84,14 +84,12 @@ fn control(ipv6: bool, ecn: bool, segment: Option<u16>) -> Vec<u8> {
     c
 }
 
-/// Send `datagrams` (pieces in `scratch` and their payloads) from `sock`
-/// (bound to `local`) to `dst` in one `sendmsg`: as GSO segments of
-/// `segment` bytes (every datagram but the last exactly that long, the last
-/// no longer) when given, else exactly one datagram. `WouldBlock` when the
-/// socket buffer is full.
+/// Send `datagrams` (pieces in `scratch` and their payloads) to `dst` in one
+/// `sendmsg`: as GSO segments of `segment` bytes (every datagram but the
+/// last exactly that long, the last no longer) when given, else exactly one
+/// datagram. `WouldBlock` when the socket buffer is full.
 pub(crate) fn send(
     sock: &UdpSocket,
-    local: SocketAddr,
     dst: SocketAddr,
     ecn: bool,
     scratch: &[u8],
@@ -115,7 +113,7 @@ pub(crate) fn send(
         };
     // A socket of one family sends to that family (the QP's socket is
     // bound to the local address of its path).
-    let dst = match (local, dst) {
+    let dst = match (sock.local_addr()?, dst) {
         (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
             SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port())
         }
@@ -185,7 +183,6 @@ mod tests {
             tx.writable().await.unwrap();
             send(
                 &tx,
-                tx.local_addr().unwrap(),
                 rx.local_addr().unwrap(),
                 true,
                 &scratch,
@@ -205,16 +202,7 @@ mod tests {
                 (false, 1, None),
             ] {
                 let dst = rx.local_addr().unwrap();
-                send(
-                    &tx,
-                    tx.local_addr().unwrap(),
-                    dst,
-                    ecn,
-                    &scratch,
-                    &grams[i..i + 1],
-                    None,
-                )
-                .unwrap();
+                send(&tx, dst, ecn, &scratch, &grams[i..i + 1], None).unwrap();
                 let got = recv_datagrams(&state, &rx, 1);
                 assert_eq!(&got[0].0[..], &want[i][..], "{ip}: lone datagram {i}");
                 assert_eq!(got[0].1, want_ecn, "{ip}: lone datagram {i}");

@@ -197,16 +197,30 @@ mod tests {
                 assert_eq!(&got[i].0[..], &w[..], "{ip}: datagram {i}");
             }
             // A lone datagram with ECT(0), and one without.
-            for (ecn, i, want_ecn) in [
-                (true, 3, Some(quinn_udp::EcnCodepoint::Ect0)),
-                (false, 1, None),
-            ] {
-                let dst = rx.local_addr().unwrap();
-                send(&tx, dst, ecn, &scratch, &grams[i..i + 1], None).unwrap();
-                let got = recv_datagrams(&state, &rx, 1);
-                assert_eq!(&got[0].0[..], &want[i][..], "{ip}: lone datagram {i}");
-                assert_eq!(got[0].1, want_ecn, "{ip}: lone datagram {i}");
-            }
+            send(
+                &tx,
+                rx.local_addr().unwrap(),
+                true,
+                &scratch,
+                &grams[3..],
+                None,
+            )
+            .unwrap();
+            let got = recv_datagrams(&state, &rx, 1);
+            assert_eq!(&got[0].0[..], &want[3][..]);
+            assert_eq!(got[0].1, Some(quinn_udp::EcnCodepoint::Ect0), "{ip}");
+            send(
+                &tx,
+                rx.local_addr().unwrap(),
+                false,
+                &scratch,
+                &grams[1..2],
+                None,
+            )
+            .unwrap();
+            let got = recv_datagrams(&state, &rx, 1);
+            assert_eq!(&got[0].0[..], &want[1][..]);
+            assert_eq!(got[0].1, None);
         }
     }
 

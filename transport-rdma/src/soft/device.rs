@@ -14,9 +14,8 @@
 //!
 //! Packets are RoCEv2 as NICs send them (BTH … ICRC in UDP to port 4791,
 //! rocev2-reference §1); data packets carry ECT(0) and received CE marks feed
-//! DCQCN. Sends are batched with UDP GSO and gathered (headers and ICRC from
-//! a scratch buffer, payloads from where they are: soft/gather.rs), and
-//! receives with GRO and recvmmsg where the kernel has them.
+//! DCQCN. Sends are batched with UDP GSO and receives with GRO and recvmmsg
+//! where the kernel has them.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
@@ -45,7 +44,6 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::cq::SoftCq;
-use super::gather::{self, Gathered};
 use crate::verbs::{
     CompletionQueue, PortInfo, ProtectionDomain, Provider, ProviderKind, QpCounters, QpOptions,
     QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -524,7 +522,6 @@ impl ProtectionDomain for SoftPd {
                 flushing: false,
                 out: Vec::new(),
                 segs: Vec::new(),
-                grams: Vec::new(),
             }),
             deadline: AtomicU64::new(u64::MAX),
             sink: Mutex::new(None),
@@ -549,9 +546,6 @@ struct Tx {
     local: SocketAddr,
     /// Exact IPv4 mode (see [`SoftConfig::exact_ipv4`]).
     raw: Option<RawTx>,
-    /// The path refused a GSO send (EIO: no checksum offload on the way
-    /// out): datagrams go one per send from then on.
-    gso_refused: AtomicBool,
 }
 
 struct Inner {
@@ -561,13 +555,8 @@ struct Inner {
     /// Datagrams that found the socket buffer full, with their GSO segment size.
     backlog: VecDeque<(Vec<u8>, usize)>,
     flushing: bool,
-    /// Scratch of the batch being sent: each datagram's headers, then its
-    /// pad and ICRC (the payloads stay where the engine holds them).
     out: Vec<u8>,
-    /// Sizes of the batch's datagrams.
     segs: Vec<usize>,
-    /// The batch's datagrams, as pieces of `out` and their payloads.
-    grams: Vec<Gathered>,
 }
 
 pub(crate) struct SoftQp {
@@ -952,54 +941,33 @@ impl SoftQp {
             }
             return;
         }
-        let max_segs = if tx.gso_refused.load(Ordering::Relaxed) {
-            1
-        } else {
-            tx.state.max_gso_segments().clamp(1, 64)
-        };
+        let max_segs = tx.state.max_gso_segments().clamp(1, 64);
         inner.out.clear();
         inner.segs.clear();
-        inner.grams.clear();
-        let mut batch = 0;
         let mut run = GsoRun::default();
         loop {
             let pkt = inner.qp.poll_transmit(now);
             if let Some(p) = &pkt {
-                // Headers, then pad and ICRC, in the scratch buffer; the
-                // payload is sent from where it is (soft/gather.rs).
-                let at = inner.out.len();
-                p.encode_headers(&mut inner.out);
-                let hlen = inner.out.len() - at;
-                let pad = p.pad_bytes();
-                let size = hlen + p.payload.len() + pad.len() + 4;
+                let start = inner.out.len();
+                p.encode(&mut inner.out);
+                inner.out.extend_from_slice(&[0; 4]);
+                let size = inner.out.len() - start;
                 // The Identification the kernel will give this datagram.
                 let id = run.next_id(size);
-                let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
-                let crc = icrc::compute_parts(&ip, &udp, &[&inner.out[at..], &p.payload, pad]);
-                inner.out.extend_from_slice(pad);
-                inner.out.extend_from_slice(&crc.to_le_bytes());
-                inner.grams.push(Gathered {
-                    at,
-                    headers: hlen,
-                    payload: p.payload.clone(),
-                    trailer: pad.len() + 4,
-                });
+                reseal_icrc(&mut inner.out[start..], tx.local, peer.addr, id);
                 inner.segs.push(size);
-                batch += size;
                 if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
                     self.dev.record(tx.local, peer.addr, p, ecn);
                 }
             }
-            let full = inner.segs.len() >= max_segs || batch >= 60_000;
+            let full = inner.segs.len() >= max_segs || inner.out.len() >= 60_000;
             if (pkt.is_none() || full) && !inner.segs.is_empty() {
                 if !self.send_batch(&tx, peer.addr, inner) {
                     return;
                 }
                 inner.out.clear();
                 inner.segs.clear();
-                inner.grams.clear();
-                batch = 0;
                 run = GsoRun::default();
             }
             if pkt.is_none() {
@@ -1008,54 +976,58 @@ impl SoftQp {
         }
     }
 
-    /// Send the batch (datagrams `inner.grams`, of sizes `inner.segs`) with
-    /// GSO where sizes allow. Returns false if the socket was full (the rest
-    /// is in the backlog).
+    /// Send `inner.out` (datagrams of sizes `inner.segs`) with GSO where sizes
+    /// allow. Returns false if the socket was full (the rest is in the backlog).
     fn send_batch(self: &Arc<Self>, tx: &Arc<Tx>, dst: SocketAddr, inner: &mut Inner) -> bool {
-        let ecn = self.dev.cfg.ecn;
+        let ecn = self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0);
+        let mut off = 0;
         let mut i = 0;
         let segs = std::mem::take(&mut inner.segs);
         while i < segs.len() {
             let size = segs[i];
             let j = gso_run_end(&segs, i);
             let len: usize = segs[i..j].iter().sum();
-            let gso = (j - i > 1).then_some(size);
+            let contents = &inner.out[off..off + len];
+            let t = Transmit {
+                destination: dst,
+                ecn,
+                contents,
+                segment_size: (j - i > 1).then_some(size),
+                src_ip: None,
+            };
             self.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
-            match gather::send(&tx.sock, dst, ecn, &inner.out, &inner.grams[i..j], gso) {
+            match try_send(tx, &t) {
                 Ok(()) => {
                     let c = &self.dev.counters;
                     c.tx_packets.fetch_add((j - i) as u64, Ordering::Relaxed);
                     c.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                Err(_) => {
                     // Socket buffer full: keep the rest, in order, for when it drains.
                     self.dev.counters.tx_blocked.fetch_add(1, Ordering::Relaxed);
                     // Each goes alone later, so with Identification 0: those
                     // that were not first in their run get their ICRC again.
+                    let mut k = i;
+                    let mut o = off;
                     let mut run_start = i;
-                    for k in i..segs.len() {
-                        let mut d = inner.grams[k].to_vec(&inner.out);
+                    while k < segs.len() {
+                        let mut d = inner.out[o..o + segs[k]].to_vec();
                         if k > run_start {
                             reseal_icrc(&mut d, tx.local, dst, 0);
                         }
                         inner.backlog.push_back((d, segs[k]));
-                        if k + 1 == gso_run_end(&segs, run_start) {
-                            run_start = k + 1;
+                        o += segs[k];
+                        k += 1;
+                        if k == gso_run_end(&segs, run_start) {
+                            run_start = k;
                         }
                     }
                     inner.segs = segs;
                     self.spawn_flusher(inner);
                     return false;
                 }
-                Err(e) => {
-                    // Lost, as on a link; RC recovery resends. A path that
-                    // cannot segment (EIO) gets single datagrams from now on.
-                    if gso.is_some() && e.raw_os_error() == Some(libc::EIO) {
-                        tx.gso_refused.store(true, Ordering::Relaxed);
-                    }
-                    debug!(%dst, "soft RoCE send: {e}");
-                }
             }
+            off += len;
             i = j;
         }
         inner.segs = segs;
@@ -1266,7 +1238,6 @@ impl QueuePair for SoftQpHandle {
                 state,
                 local,
                 raw,
-                gso_refused: AtomicBool::new(false),
             }
         };
         let mut g = qp.inner.lock();

@@ -3,7 +3,6 @@
 mod clock;
 mod cq;
 mod device;
-mod gather;
 mod timer;
 
 pub use device::{DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};

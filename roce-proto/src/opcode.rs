@@ -116,6 +116,11 @@ impl Opcode {
         self.0 <= 0x0C || self.0 == 0x13 || self.0 == 0x14 || self.0 == 0x16 || self.0 == 0x17
     }
 
+    /// True for RC RDMA READ response packets (FIRST, MIDDLE, LAST, ONLY).
+    pub fn is_read_response(self) -> bool {
+        (0x0D..=0x10).contains(&self.0)
+    }
+
     /// The transport: bits 7:5 of the opcode (IBTA 9.2.3).
     pub fn transport(self) -> Transport {
         match self.0 >> 5 {

@@ -387,6 +387,16 @@ impl Packet {
     /// Transport bytes (BTH … pad) without the ICRC. The BTH's `pad_count` is
     /// written as stored; use [`Packet::finish`] to set it from the payload.
     pub fn encode(&self, out: &mut Vec<u8>) {
+        self.encode_headers(out);
+        out.put_slice(&self.payload);
+        out.put_slice(self.pad_bytes());
+    }
+
+    /// Append the headers (BTH and extended headers) without the payload
+    /// and pad: with [`Packet::payload`] and [`Packet::pad_bytes`] after
+    /// them, the bytes [`Packet::encode`] writes (for gathered sends that
+    /// do not copy the payload).
+    pub fn encode_headers(&self, out: &mut Vec<u8>) {
         self.bth.encode(out);
         if let Some(d) = &self.deth {
             out.put_u32(d.qkey);
@@ -418,8 +428,11 @@ impl Packet {
         if let Some(r) = &self.cnp_reserved {
             out.put_slice(r);
         }
-        out.put_slice(&self.payload);
-        out.put_slice(&self.pad[..self.bth.pad_count as usize]);
+    }
+
+    /// The pad bytes after the payload (`pad_count` of them).
+    pub fn pad_bytes(&self) -> &[u8] {
+        &self.pad[..usize::from(self.bth.pad_count).min(3)]
     }
 
     /// Set `pad_count` for the payload (rocev2-reference §8: `(−len) & 3`) with zero pad.

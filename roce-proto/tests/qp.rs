@@ -1294,6 +1294,67 @@ fn resumed_read_takes_rxe_style_middle_and_last() {
     }
 }
 
+/// A READ asked again from a PSN whose responses are still queued (the
+/// requester lost one; rxe resumes from the gap) restarts the response
+/// stream there: every response goes out once after the request, in PSN
+/// order, with the data of its offset, instead of the old pass's rest
+/// followed by a second copy that a go-back-N requester would take as
+/// another gap.
+#[test]
+fn a_resumed_read_restarts_the_queued_responses() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    for selective_repeat in [false, true] {
+        let cfg = QpConfig {
+            pmtu: 256,
+            selective_repeat,
+            dcqcn: None,
+            ..QpConfig::default()
+        };
+        let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+        b.connect(0x11, 500, 100).unwrap();
+        let mut mem = rdmx_roce_proto::VecMemory::default();
+        regions(&mut mem, 3);
+        let want = pattern(3, REGION);
+        let read = |psn: u32, part: u32, parts: u32| {
+            let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
+            p.reth = Some(Reth {
+                va: R_VA + u64::from(part) * 256,
+                rkey: R_KEY,
+                dma_len: (parts - part) * 256,
+            });
+            p.finish();
+            p
+        };
+        // 8 responses; 3 go out, then the requester asks again from the
+        // second (100 + 1): the first was all it got.
+        b.handle_packet(0, &read(100, 0, 8), false, &mut mem);
+        let mut out = Vec::new();
+        for _ in 0..3 {
+            out.push(b.poll_transmit(1).expect("a response"));
+        }
+        b.handle_packet(2, &read(101, 1, 8), false, &mut mem);
+        let rest: Vec<Packet> = std::iter::from_fn(|| b.poll_transmit(3)).collect();
+        let psns: Vec<u32> = rest.iter().map(|p| p.bth.psn).collect();
+        assert_eq!(
+            psns,
+            (101..108).collect::<Vec<u32>>(),
+            "SR {selective_repeat}"
+        );
+        for p in &rest {
+            let k = (p.bth.psn - 100) as usize;
+            assert!(p.bth.opcode.is_read_response());
+            assert!(
+                p.payload[..] == want[k * 256..k * 256 + 256],
+                "PSN {}",
+                p.bth.psn
+            );
+        }
+        assert_eq!(rest[0].bth.opcode, Opcode::RDMA_READ_RESPONSE_FIRST);
+        assert_eq!(rest[6].bth.opcode, Opcode::RDMA_READ_RESPONSE_LAST);
+        assert_eq!(b.stats().duplicates, 1);
+    }
+}
+
 /// max_rd_atomic: at most that many READs are in flight, counted from the
 /// oldest unfinished one; one that finished frees its slot at once, whether
 /// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the

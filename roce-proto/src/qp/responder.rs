@@ -441,7 +441,21 @@ impl Qp {
                 });
                 if !ok {
                     self.stats.dropped += 1;
-                } else if self.read_responses(p, reth, mem).is_err() {
+                    return;
+                }
+                // The requester starts again at `p`: it lost a response.
+                // Responses of an earlier pass over this range still queued
+                // would reach it behind a gap, out of order, and cost it one
+                // more retry each time (a storm of re-served copies against a
+                // slow peer); restart the stream instead, as rxe's responder
+                // does (resp.c `duplicate_request` moves the replayed
+                // resource's cursor to the PSN asked for).
+                let n = u64::from(reth.dma_len).div_ceil(pmtu).max(1) as i32;
+                self.resp_tx.retain(|q| {
+                    let d = psn::diff(q.bth.psn, p);
+                    !(q.bth.opcode.is_read_response() && d >= 0 && d < n)
+                });
+                if self.read_responses(p, reth, mem).is_err() {
                     self.send_nak(NakCode::RemoteAccessError, true);
                 }
             }

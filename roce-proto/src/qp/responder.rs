@@ -3,6 +3,7 @@
 //! duplicate handling (rxe's resp.c, IBTA 9.7.4 and 9.9).
 
 use super::*;
+use std::collections::HashSet;
 
 impl Qp {
     pub(super) fn ack_packet(&self, psn: u32, syndrome: u8) -> Packet {
@@ -443,20 +444,41 @@ impl Qp {
                     self.stats.dropped += 1;
                     return;
                 }
-                // The requester starts again at `p`: it lost a response.
-                // Responses of an earlier pass over this range still queued
-                // would reach it behind a gap, out of order, and cost it one
-                // more retry each time (a storm of re-served copies against a
-                // slow peer); restart the stream instead, as rxe's responder
-                // does (resp.c `duplicate_request` moves the replayed
-                // resource's cursor to the PSN asked for).
                 let n = u64::from(reth.dma_len).div_ceil(pmtu).max(1) as i32;
-                self.resp_tx.retain(|q| {
+                let in_range = |q: &Packet| {
                     let d = psn::diff(q.bth.psn, p);
-                    !(q.bth.opcode.is_read_response() && d >= 0 && d < n)
-                });
+                    q.bth.opcode.is_read_response() && d >= 0 && d < n
+                };
+                // Responses of the range still queued from an earlier pass.
+                let mut queued = HashSet::new();
+                if sr {
+                    // Selective repeat names the responses it misses and
+                    // takes them in any order: those still queued go once.
+                    queued.extend(
+                        self.resp_tx
+                            .iter()
+                            .filter(|q| in_range(q))
+                            .map(|q| q.bth.psn),
+                    );
+                } else {
+                    // A go-back-N requester starts again at `p`: it lost a
+                    // response and takes the rest in order only. Responses
+                    // of an earlier pass still queued would reach it behind
+                    // the gap and cost one more retry each (a storm of
+                    // re-served copies against a slow peer): restart the
+                    // stream instead, as rxe's responder does (resp.c
+                    // `duplicate_request` moves the replayed resource's
+                    // cursor to the PSN asked for).
+                    self.resp_tx.retain(|q| !in_range(q));
+                }
+                let at = self.resp_tx.len();
                 if self.read_responses(p, reth, mem).is_err() {
-                    self.send_nak(NakCode::RemoteAccessError, true);
+                    return self.send_nak(NakCode::RemoteAccessError, true);
+                }
+                if !queued.is_empty() {
+                    let fresh: Vec<Packet> = self.resp_tx.drain(at..).collect();
+                    let missing = fresh.into_iter().filter(|q| !queued.contains(&q.bth.psn));
+                    self.resp_tx.extend(missing);
                 }
             }
             Opcode::COMPARE_SWAP | Opcode::FETCH_ADD => {

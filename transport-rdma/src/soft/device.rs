@@ -14,8 +14,9 @@
 //!
 //! Packets are RoCEv2 as NICs send them (BTH … ICRC in UDP to port 4791,
 //! rocev2-reference §1); data packets carry ECT(0) and received CE marks feed
-//! DCQCN. Sends are batched with UDP GSO and receives with GRO and recvmmsg
-//! where the kernel has them.
+//! DCQCN. Sends are batched with UDP GSO and gathered (headers and ICRC from
+//! a scratch buffer, payloads from where they are: soft/gather.rs), and
+//! receives with GRO and recvmmsg where the kernel has them.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
@@ -44,6 +45,7 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::cq::SoftCq;
+use super::gather::{self, Gathered};
 use crate::verbs::{
     CompletionQueue, PortInfo, ProtectionDomain, Provider, ProviderKind, QpCounters, QpOptions,
     QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -89,6 +91,13 @@ pub struct SoftConfig {
     /// receivers recover it, NICs would drop the packet. IPv6 is always exact.
     /// Default: on if `RDMX_SOFT_EXACT_IPV4=1`.
     pub exact_ipv4: bool,
+    /// Send each datagram from its pieces (headers and trailer from a
+    /// scratch buffer, payload from where the engine holds it) in one
+    /// `sendmsg` per GSO run, instead of copying it into one buffer first
+    /// (soft/gather.rs). Either way the bytes on the wire are the same; a
+    /// kernel that refuses the gathered form gets the other from then on.
+    /// Default: on unless `RDMX_SOFT_GATHER=0`.
+    pub gathered_sends: bool,
 }
 
 impl Default for SoftConfig {
@@ -106,6 +115,7 @@ impl Default for SoftConfig {
             window: 256,
             max_ack_timeout: 8,
             exact_ipv4: std::env::var("RDMX_SOFT_EXACT_IPV4").is_ok_and(|v| v == "1"),
+            gathered_sends: std::env::var("RDMX_SOFT_GATHER").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -522,6 +532,7 @@ impl ProtectionDomain for SoftPd {
                 flushing: false,
                 out: Vec::new(),
                 segs: Vec::new(),
+                grams: Vec::new(),
             }),
             deadline: AtomicU64::new(u64::MAX),
             sink: Mutex::new(None),
@@ -546,6 +557,10 @@ struct Tx {
     local: SocketAddr,
     /// Exact IPv4 mode (see [`SoftConfig::exact_ipv4`]).
     raw: Option<RawTx>,
+    /// Gathered sends are off ([`SoftConfig::gathered_sends`]) or the kernel
+    /// refused one: sends go from one buffer through quinn-udp (see
+    /// `SoftQp::send_batch`).
+    gather_refused: AtomicBool,
 }
 
 struct Inner {
@@ -555,8 +570,13 @@ struct Inner {
     /// Datagrams that found the socket buffer full, with their GSO segment size.
     backlog: VecDeque<(Vec<u8>, usize)>,
     flushing: bool,
+    /// Scratch of the batch being sent: each datagram's headers, then its
+    /// pad and ICRC (the payloads stay where the engine holds them).
     out: Vec<u8>,
+    /// Sizes of the batch's datagrams.
     segs: Vec<usize>,
+    /// The batch's datagrams, as pieces of `out` and their payloads.
+    grams: Vec<Gathered>,
 }
 
 pub(crate) struct SoftQp {
@@ -944,30 +964,47 @@ impl SoftQp {
         let max_segs = tx.state.max_gso_segments().clamp(1, 64);
         inner.out.clear();
         inner.segs.clear();
+        inner.grams.clear();
+        let mut batch = 0;
         let mut run = GsoRun::default();
         loop {
             let pkt = inner.qp.poll_transmit(now);
             if let Some(p) = &pkt {
-                let start = inner.out.len();
-                p.encode(&mut inner.out);
-                inner.out.extend_from_slice(&[0; 4]);
-                let size = inner.out.len() - start;
+                // Headers, then pad and ICRC, in the scratch buffer; the
+                // payload is sent from where it is (soft/gather.rs).
+                let at = inner.out.len();
+                p.encode_headers(&mut inner.out);
+                let hlen = inner.out.len() - at;
+                let pad = p.pad_bytes();
+                let size = hlen + p.payload.len() + pad.len() + 4;
                 // The Identification the kernel will give this datagram.
                 let id = run.next_id(size);
-                reseal_icrc(&mut inner.out[start..], tx.local, peer.addr, id);
+                let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
+                let crc = icrc::compute_parts(&ip, &udp, &[&inner.out[at..], &p.payload, pad]);
+                inner.out.extend_from_slice(pad);
+                inner.out.extend_from_slice(&crc.to_le_bytes());
+                inner.grams.push(Gathered {
+                    at,
+                    headers: hlen,
+                    payload: p.payload.clone(),
+                    trailer: pad.len() + 4,
+                });
                 inner.segs.push(size);
+                batch += size;
                 if self.dev.capturing.load(Ordering::Relaxed) {
                     let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
                     self.dev.record(tx.local, peer.addr, p, ecn);
                 }
             }
-            let full = inner.segs.len() >= max_segs || inner.out.len() >= 60_000;
+            let full = inner.segs.len() >= max_segs || batch >= 60_000;
             if (pkt.is_none() || full) && !inner.segs.is_empty() {
                 if !self.send_batch(&tx, peer.addr, inner) {
                     return;
                 }
                 inner.out.clear();
                 inner.segs.clear();
+                inner.grams.clear();
+                batch = 0;
                 run = GsoRun::default();
             }
             if pkt.is_none() {
@@ -976,50 +1013,83 @@ impl SoftQp {
         }
     }
 
-    /// Send `inner.out` (datagrams of sizes `inner.segs`) with GSO where sizes
-    /// allow. Returns false if the socket was full (the rest is in the backlog).
+    /// Send the batch (datagrams `inner.grams`, of sizes `inner.segs`) with
+    /// GSO where sizes allow. Returns false if the socket was full (the rest
+    /// is in the backlog).
+    ///
+    /// Each GSO run goes gathered (soft/gather.rs). A run the kernel refuses
+    /// (any error but a full socket) goes again as one buffer through
+    /// quinn-udp, which retries without ECN on EINVAL and stops segmenting on
+    /// EIO; after a refusal of the form itself (EINVAL, EIO, EOPNOTSUPP,
+    /// EMSGSIZE) all later sends of this socket go that way too. Nothing is
+    /// dropped for being gathered.
     fn send_batch(self: &Arc<Self>, tx: &Arc<Tx>, dst: SocketAddr, inner: &mut Inner) -> bool {
-        let ecn = self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0);
-        let mut off = 0;
         let mut i = 0;
         let segs = std::mem::take(&mut inner.segs);
         while i < segs.len() {
             let size = segs[i];
             let j = gso_run_end(&segs, i);
             let len: usize = segs[i..j].iter().sum();
-            let contents = &inner.out[off..off + len];
-            let t = Transmit {
-                destination: dst,
-                ecn,
-                contents,
-                segment_size: (j - i > 1).then_some(size),
-                src_ip: None,
+            let gso = (j - i > 1).then_some(size);
+            let c = &self.dev.counters;
+            c.tx_calls.fetch_add(1, Ordering::Relaxed);
+            let grams = &inner.grams[i..j];
+            let mut sent = if tx.gather_refused.load(Ordering::Relaxed) {
+                Err(io::Error::from(io::ErrorKind::Unsupported))
+            } else {
+                gather::send(
+                    &tx.sock,
+                    tx.local,
+                    dst,
+                    self.dev.cfg.ecn,
+                    &inner.out,
+                    grams,
+                    gso,
+                )
             };
-            self.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
-            match try_send(tx, &t) {
+            if let Err(e) = &sent {
+                if e.kind() != io::ErrorKind::WouldBlock {
+                    // The form itself refused (bad argument, no offload on
+                    // the path), not this send: stop gathering.
+                    let form = matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL | libc::EIO | libc::EOPNOTSUPP | libc::EMSGSIZE)
+                    );
+                    if form && !tx.gather_refused.swap(true, Ordering::Relaxed) {
+                        warn!(%dst, "soft RoCE: gathered send refused ({e}); sending from one buffer from now on");
+                    }
+                    let contents: Vec<u8> =
+                        grams.iter().flat_map(|g| g.to_vec(&inner.out)).collect();
+                    let t = Transmit {
+                        destination: dst,
+                        ecn: self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0),
+                        contents: &contents,
+                        segment_size: gso,
+                        src_ip: None,
+                    };
+                    c.tx_calls.fetch_add(1, Ordering::Relaxed);
+                    sent = try_send(tx, &t);
+                }
+            }
+            match sent {
                 Ok(()) => {
-                    let c = &self.dev.counters;
                     c.tx_packets.fetch_add((j - i) as u64, Ordering::Relaxed);
                     c.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 }
                 Err(_) => {
                     // Socket buffer full: keep the rest, in order, for when it drains.
-                    self.dev.counters.tx_blocked.fetch_add(1, Ordering::Relaxed);
+                    c.tx_blocked.fetch_add(1, Ordering::Relaxed);
                     // Each goes alone later, so with Identification 0: those
                     // that were not first in their run get their ICRC again.
-                    let mut k = i;
-                    let mut o = off;
                     let mut run_start = i;
-                    while k < segs.len() {
-                        let mut d = inner.out[o..o + segs[k]].to_vec();
+                    for k in i..segs.len() {
+                        let mut d = inner.grams[k].to_vec(&inner.out);
                         if k > run_start {
                             reseal_icrc(&mut d, tx.local, dst, 0);
                         }
                         inner.backlog.push_back((d, segs[k]));
-                        o += segs[k];
-                        k += 1;
-                        if k == gso_run_end(&segs, run_start) {
-                            run_start = k;
+                        if k + 1 == gso_run_end(&segs, run_start) {
+                            run_start = k + 1;
                         }
                     }
                     inner.segs = segs;
@@ -1027,7 +1097,6 @@ impl SoftQp {
                     return false;
                 }
             }
-            off += len;
             i = j;
         }
         inner.segs = segs;
@@ -1138,7 +1207,11 @@ struct SoftQpHandle(Arc<SoftQp>);
 impl Drop for SoftQpHandle {
     fn drop(&mut self) {
         let qp = &self.0;
-        qp.inner.lock().qp.enter_error();
+        {
+            let mut g = qp.inner.lock();
+            debug!(qpn = qp.qpn, stats = ?g.qp.stats(), "soft RoCE QP closed");
+            g.qp.enter_error();
+        }
         qp.pump();
         qp.dev.qps.write().remove(&qp.qpn);
     }
@@ -1238,6 +1311,7 @@ impl QueuePair for SoftQpHandle {
                 state,
                 local,
                 raw,
+                gather_refused: AtomicBool::new(!qp.dev.cfg.gathered_sends),
             }
         };
         let mut g = qp.inner.lock();

@@ -3,6 +3,7 @@
 mod clock;
 mod cq;
 mod device;
+mod gather;
 mod timer;
 
 pub use device::{DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};

@@ -1,0 +1,265 @@
+//! Gathered UDP sends: each datagram's headers and trailer (pad, ICRC) sit
+//! in the QP's scratch buffer and its payload stays where the engine holds
+//! it, and one `sendmsg` hands the kernel the pieces (an iovec per piece),
+//! as one UDP GSO send where the run allows. The payload is copied once, by
+//! the kernel, instead of first into a staging buffer.
+
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+
+/// One datagram of a gathered send.
+#[derive(Debug)]
+pub(crate) struct Gathered {
+    /// Offset of its headers (BTH and extended headers) in the scratch buffer.
+    pub(crate) at: usize,
+    /// Length of the headers.
+    pub(crate) headers: usize,
+    /// The payload, not copied.
+    pub(crate) payload: Bytes,
+    /// Length of the trailer (pad and ICRC) right after the headers in the
+    /// scratch buffer.
+    pub(crate) trailer: usize,
+}
+
+impl Gathered {
+    /// Its pieces in wire order.
+    pub(crate) fn pieces<'a>(&'a self, scratch: &'a [u8]) -> [&'a [u8]; 3] {
+        let t = self.at + self.headers;
+        [
+            &scratch[self.at..t],
+            &self.payload,
+            &scratch[t..t + self.trailer],
+        ]
+    }
+
+    /// The datagram's bytes in one buffer (for the backlog of a full socket).
+    pub(crate) fn to_vec(&self, scratch: &[u8]) -> Vec<u8> {
+        self.pieces(scratch).concat()
+    }
+}
+
+/// `UDP_SEGMENT` (linux/udp.h): the GSO segment size of one send.
+const UDP_SEGMENT: libc::c_int = 103;
+/// ECN field value ECT(0) (RFC 3168), what RoCEv2 data packets carry.
+const ECT0: libc::c_int = 2;
+
+/// Append one control message to `out` as the kernel reads it (struct
+/// cmsghdr of include/linux/socket.h: a `size_t` length counting header and
+/// data, level and type as ints, then the data, padded to the alignment of
+/// `size_t`); returns the bytes it takes.
+fn put_cmsg(out: &mut Vec<u8>, level: libc::c_int, kind: libc::c_int, data: &[u8]) {
+    const ALIGN: usize = std::mem::size_of::<usize>();
+    const HEADER: usize = (ALIGN + 8).div_ceil(ALIGN) * ALIGN;
+    let len = HEADER + data.len();
+    let start = out.len();
+    out.extend_from_slice(&len.to_ne_bytes());
+    out.extend_from_slice(&level.to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.resize(start + HEADER, 0);
+    out.extend_from_slice(data);
+    out.resize(start + len.div_ceil(ALIGN) * ALIGN, 0);
+}
+
+/// The control messages of one send: ECT(0) when `ecn` (IP_TOS for IPv4,
+/// IPV6_TCLASS for IPv6, as ints: ip_cmsg_send, ip6_datagram_send_ctl), and
+/// the GSO segment size when the send carries several datagrams (a u16:
+/// udp_cmsg_send).
+fn control(ipv6: bool, ecn: bool, segment: Option<u16>) -> Vec<u8> {
+    let mut c = Vec::with_capacity(64);
+    if ecn {
+        let (level, kind) = if ipv6 {
+            (libc::IPPROTO_IPV6, libc::IPV6_TCLASS)
+        } else {
+            (libc::IPPROTO_IP, libc::IP_TOS)
+        };
+        put_cmsg(&mut c, level, kind, &ECT0.to_ne_bytes());
+    }
+    if let Some(s) = segment {
+        put_cmsg(&mut c, libc::SOL_UDP, UDP_SEGMENT, &s.to_ne_bytes());
+    }
+    c
+}
+
+/// Send `datagrams` (pieces in `scratch` and their payloads) from `sock`
+/// (bound to `local`) to `dst` in one `sendmsg`: as GSO segments of
+/// `segment` bytes (every datagram but the last exactly that long, the last
+/// no longer) when given, else exactly one datagram. `WouldBlock` when the
+/// socket buffer is full.
+pub(crate) fn send(
+    sock: &UdpSocket,
+    local: SocketAddr,
+    dst: SocketAddr,
+    ecn: bool,
+    scratch: &[u8],
+    datagrams: &[Gathered],
+    segment: Option<usize>,
+) -> io::Result<()> {
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
+    for d in datagrams {
+        for p in d.pieces(scratch) {
+            if !p.is_empty() {
+                iov.push(IoSlice::new(p));
+            }
+        }
+    }
+    let segment =
+        match segment {
+            Some(s) => Some(u16::try_from(s).map_err(|_| {
+                io::Error::new(io::ErrorKind::InvalidInput, "GSO segment over 64 KiB")
+            })?),
+            None => None,
+        };
+    // A socket of one family sends to that family (the QP's socket is
+    // bound to the local address of its path).
+    let dst = match (local, dst) {
+        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
+            SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port())
+        }
+        _ => dst,
+    };
+    let ctl = control(dst.is_ipv6() && !is_v4_mapped(&dst), ecn, segment);
+    let addr = socket2::SockAddr::from(dst);
+    sock.try_io(Interest::WRITABLE, || {
+        let mut msg = socket2::MsgHdr::new().with_addr(&addr).with_buffers(&iov);
+        if !ctl.is_empty() {
+            msg = msg.with_control(&ctl);
+        }
+        socket2::SockRef::from(sock).sendmsg(&msg, 0).map(|_| ())
+    })
+}
+
+fn is_v4_mapped(a: &SocketAddr) -> bool {
+    matches!(a, SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the receiving socket sees: every datagram whole and in order
+    /// (GSO split them where the receiver does not coalesce), with the ECN
+    /// codepoint asked for.
+    #[tokio::test]
+    async fn a_gathered_gso_send_arrives_as_its_datagrams() {
+        for ip in ["127.0.0.1", "::1"] {
+            let rx = std::net::UdpSocket::bind((ip, 0)).unwrap();
+            rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+                .unwrap();
+            let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
+            let tx = UdpSocket::bind((ip, 0)).await.unwrap();
+            // Three datagrams of 1100 bytes and a shorter last one; the
+            // payloads are separate buffers, one of them empty.
+            let mut scratch = Vec::new();
+            let mut grams = Vec::new();
+            let mut want = Vec::new();
+            for (i, (headers, plen, trailer)) in
+                [(12, 1000, 88), (13, 1000, 87), (1000, 0, 100), (15, 300, 4)]
+                    .into_iter()
+                    .enumerate()
+            {
+                let at = scratch.len();
+                scratch.extend((0..headers).map(|k: usize| (k + i) as u8));
+                scratch.extend((0..trailer).map(|k: usize| (k * 7 + i) as u8));
+                let payload = Bytes::from(
+                    (0..plen)
+                        .map(|k: usize| (k * 3 + i) as u8)
+                        .collect::<Vec<_>>(),
+                );
+                let g = Gathered {
+                    at,
+                    headers,
+                    payload,
+                    trailer,
+                };
+                want.push(g.to_vec(&scratch));
+                grams.push(g);
+            }
+            assert_eq!(
+                want.iter().map(Vec::len).collect::<Vec<_>>(),
+                [1100, 1100, 1100, 319]
+            );
+            tx.writable().await.unwrap();
+            send(
+                &tx,
+                tx.local_addr().unwrap(),
+                rx.local_addr().unwrap(),
+                true,
+                &scratch,
+                &grams,
+                Some(1100),
+            )
+            .unwrap();
+            // (Loopback hands a GSO send over whole, and the receiver is
+            // told no ECN codepoint for it, for quinn-udp's sends alike.)
+            let got = recv_datagrams(&state, &rx, 4);
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(&got[i].0[..], &w[..], "{ip}: datagram {i}");
+            }
+            // A lone datagram with ECT(0), and one without.
+            for (ecn, i, want_ecn) in [
+                (true, 3, Some(quinn_udp::EcnCodepoint::Ect0)),
+                (false, 1, None),
+            ] {
+                let dst = rx.local_addr().unwrap();
+                send(
+                    &tx,
+                    tx.local_addr().unwrap(),
+                    dst,
+                    ecn,
+                    &scratch,
+                    &grams[i..i + 1],
+                    None,
+                )
+                .unwrap();
+                let got = recv_datagrams(&state, &rx, 1);
+                assert_eq!(&got[0].0[..], &want[i][..], "{ip}: lone datagram {i}");
+                assert_eq!(got[0].1, want_ecn, "{ip}: lone datagram {i}");
+            }
+        }
+    }
+
+    /// `n` datagrams from `rx` (GRO may hand several over in one buffer).
+    fn recv_datagrams(
+        state: &quinn_udp::UdpSocketState,
+        rx: &std::net::UdpSocket,
+        n: usize,
+    ) -> Vec<(Vec<u8>, Option<quinn_udp::EcnCodepoint>)> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            let mut buf = vec![0u8; 65536];
+            let mut meta = [quinn_udp::RecvMeta::default()];
+            state
+                .recv(rx.into(), &mut [io::IoSliceMut::new(&mut buf)], &mut meta)
+                .unwrap();
+            let m = &meta[0];
+            for d in buf[..m.len].chunks(m.stride.max(1)) {
+                out.push((d.to_vec(), m.ecn));
+            }
+        }
+        assert_eq!(out.len(), n, "more datagrams than sent");
+        out
+    }
+
+    /// The control message layout the kernel expects on 64-bit Linux.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn control_messages_are_laid_out_as_the_kernel_reads_them() {
+        let c = control(false, true, Some(1100));
+        let mut want = Vec::new();
+        want.extend_from_slice(&20usize.to_ne_bytes()); // CMSG_LEN(sizeof(int))
+        want.extend_from_slice(&libc::IPPROTO_IP.to_ne_bytes());
+        want.extend_from_slice(&libc::IP_TOS.to_ne_bytes());
+        want.extend_from_slice(&2i32.to_ne_bytes());
+        want.extend_from_slice(&[0; 4]); // CMSG_SPACE pads to 24
+        want.extend_from_slice(&18usize.to_ne_bytes()); // CMSG_LEN(sizeof(u16))
+        want.extend_from_slice(&libc::SOL_UDP.to_ne_bytes());
+        want.extend_from_slice(&103i32.to_ne_bytes());
+        want.extend_from_slice(&1100u16.to_ne_bytes());
+        want.extend_from_slice(&[0; 6]);
+        assert_eq!(c, want);
+    }
+}

@@ -30,14 +30,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-
-use crate::pool::ReadSink;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use crate::conn::{BoxFuture, Connection, ConnectionInfo, Incoming, RawConnection};
 use crate::error::{Error, Result};
 use crate::memory::{AtomicOp, Domain, RemoteRegion};
+use crate::pool::ReadSink;
 use crate::stats::{Stats, StatsSnapshot};
 
 /// Remote keys whose writable range a connection remembers (forgotten all

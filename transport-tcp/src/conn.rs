@@ -17,7 +17,7 @@ use rdmx_core::{
 };
 use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::{oneshot, Notify, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore, SemaphorePermit};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
@@ -1023,17 +1023,13 @@ impl Shared {
 
     async fn read(self: Arc<Self>, src: RemoteRegion) -> Result<Bytes> {
         check_rdma_len(src.len)?;
+        let _permit = self.inflight_permit().await?;
         if pieces(src.len).len() == 1 {
-            let _permit = self
-                .inflight
-                .acquire()
-                .await
-                .map_err(|_| self.disconnected())?;
             return self.read_piece(src, 0, src.len, None).await;
         }
         // Every piece lands in one buffer, in place.
         let sink = ReadSink::new(src.len as usize);
-        self.clone().read_part(src, sink.clone(), 0).await?;
+        self.read_pieces(src, &sink, 0).await?;
         sink.finish().ok_or_else(|| self.disconnected())
     }
 
@@ -1053,19 +1049,34 @@ impl Shared {
                 sink.len()
             )));
         }
-        let _permit = self
-            .inflight
-            .acquire()
-            .await
-            .map_err(|_| self.disconnected())?;
+        let _permit = self.inflight_permit().await?;
+        self.read_pieces(src, &sink, offset).await
+    }
+
+    /// Read all of `src` into `sink` at `offset`, its pieces in flight at
+    /// once, each received straight into its place.
+    async fn read_pieces(
+        self: &Arc<Self>,
+        src: RemoteRegion,
+        sink: &ReadSink,
+        offset: usize,
+    ) -> Result<()> {
         let futs: Vec<_> = pieces(src.len)
             .into_iter()
-            .map(|(off, len)| self.read_piece(src, off, len, Some((&sink, offset + off as usize))))
+            .map(|(off, len)| self.read_piece(src, off, len, Some((sink, offset + off as usize))))
             .collect();
         for part in join_all(futs).await {
             part?;
         }
         Ok(())
+    }
+
+    /// A slot of the connection's operations in flight.
+    async fn inflight_permit(&self) -> Result<SemaphorePermit<'_>> {
+        self.inflight
+            .acquire()
+            .await
+            .map_err(|_| self.disconnected())
     }
 
     /// Read `len` bytes at `off` of `src`: into a sink at the given offset
@@ -1116,11 +1127,7 @@ impl Shared {
         imm: Option<u32>,
     ) -> Result<()> {
         check_rdma_len(dst.len)?;
-        let _permit = self
-            .inflight
-            .acquire()
-            .await
-            .map_err(|_| self.disconnected())?;
+        let _permit = self.inflight_permit().await?;
         if imm.is_some() {
             // A write-with-immediate consumes one of the peer's receive credits.
             let _order = self.send_order.lock().await;
@@ -1168,11 +1175,7 @@ impl Shared {
         check_rdma_len(dst.len)?;
         let len = msg.len() as u64;
         self.check_message(len)?;
-        let _permit = self
-            .inflight
-            .acquire()
-            .await
-            .map_err(|_| self.disconnected())?;
+        let _permit = self.inflight_permit().await?;
         // FIFO with other senders; nothing is queued before the credit is ours.
         let order = self.send_order.lock().await;
         self.take_credit(len).await?;
@@ -1218,11 +1221,7 @@ impl Shared {
     }
 
     async fn atomic(self: Arc<Self>, dst: RemoteRegion, op: AtomicOp) -> Result<u64> {
-        let _permit = self
-            .inflight
-            .acquire()
-            .await
-            .map_err(|_| self.disconnected())?;
+        let _permit = self.inflight_permit().await?;
         let mut h = Header::new(Kind::Atomic);
         h.addr = dst.addr;
         h.rkey = dst.rkey;

@@ -363,7 +363,19 @@ def rpc_point(system, size, conc):
 w("## Targets (issue 3), checked by the script\n")
 w("| target | measured | met |")
 w("|---|---|---|")
+bw1m = [(x, y) for x, y in ((rdmx(f"rdmx_bw1m_tcp_r{r}"), rdmx(f"rdmx_bw1m_rdma_r{r}")) for r in (1, 2, 3)) if x and y]
 for op in ("write", "read"):
+    if bw1m:
+        # Interleaved rounds: the median of the per-round ratios.
+        pairs = [(find(y, op, 1048576), find(x, op, 1048576)) for x, y in bw1m]
+        pairs = [(r["mb_per_s"], t["mb_per_s"]) for r, t in pairs if r and t]
+        x, spread = med([a / b for a, b in pairs])
+        ra, _ = med([a for a, _ in pairs])
+        ta, _ = med([b for _, b in pairs])
+        if x is not None:
+            target(f"soft RoCE 1 MiB {op} ≥ 0.5 × the TCP transport (median of {len(pairs)}, interleaved)",
+                   f"{f(x)} × ±{f(spread, 0)}% ({f(ra, 1)} vs {f(ta, 1)} MB/s)", x >= 0.5)
+        continue
     r, t = find(rdma, op, 1048576), find(irq, op, 1048576)
     if r and t:
         x = r["mb_per_s"] / t["mb_per_s"]
@@ -374,6 +386,9 @@ if sr[0] and sr[10]:
     target("1% loss, selective repeat ≥ 0.8 × its lossless goodput",
            f"{f(x)} × (go-back-N: {f(g)} ×; retransmits SR {sr[10]['retransmits']} vs GBN {gbn[10]['retransmits'] if gbn[10] else '—'})",
            x >= 0.8)
+if bw1m:
+    w(f"\nThe soft RoCE 1 MiB targets: rounds of `{cmd('rdmx_bw1m_tcp_r1')}` and `{cmd('rdmx_bw1m_rdma_r1')}`, "
+      "interleaved; the median of the per-round ratios.")
 w("")
 if rpc:
     w("## Targets (issue 5), checked by the script\n")

@@ -55,6 +55,13 @@ done
 echo "rdmx perf over soft RoCE (rdma transport)" >&2
 run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --duration-ms $DUR \
   --iters $ITERS --op send,write,read,cas,faa --sizes 8,4k,32k,256k,1m --window 16
+echo "1 MiB write and read, soft RoCE against the TCP transport, three rounds interleaved (one when quick)" >&2
+for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
+  for t in tcp rdma; do
+    run rdmx_bw1m_${t}_r$r $RDMX perf --loopback --transport $t --json --duration-ms $DUR --iters $ITERS \
+      --op write,read --sizes 1m --window 16
+  done
+done
 echo "rdmx perf over soft RoCE with adaptive busy polling (8 B)" >&2
 run rdmx_rdma_poll $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --busy-poll-us 100 \
   --mode lat --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8

@@ -295,8 +295,24 @@ impl Packet {
         }
     }
 
-    /// Decode transport bytes (BTH … pad), *without* the trailing ICRC.
+    /// Decode transport bytes (BTH … pad), *without* the trailing ICRC. The
+    /// payload is copied out of `b`.
     pub fn decode(b: &[u8]) -> Result<Packet, DecodeError> {
+        Packet::decode_with(b, |r| Bytes::copy_from_slice(&b[r]))
+    }
+
+    /// [`Packet::decode`] of bytes already in a [`Bytes`]: the payload is a
+    /// slice of `b`, not a copy (a receive buffer's datagram goes to the
+    /// engine without being copied first; whoever keeps the payload keeps
+    /// the buffer).
+    pub fn decode_shared(b: &Bytes) -> Result<Packet, DecodeError> {
+        Packet::decode_with(b, |r| b.slice(r))
+    }
+
+    fn decode_with(
+        b: &[u8],
+        payload: impl FnOnce(std::ops::Range<usize>) -> Bytes,
+    ) -> Result<Packet, DecodeError> {
         if b.len() < BTH_LEN {
             return Err(DecodeError::Truncated {
                 opcode: Opcode(b.first().copied().unwrap_or(0)),
@@ -379,7 +395,7 @@ impl Packet {
                 len: end - o,
             });
         }
-        p.payload = Bytes::copy_from_slice(&b[o..end]);
+        p.payload = payload(o..end);
         p.pad[..bth.pad_count as usize].copy_from_slice(&b[end..]);
         Ok(p)
     }
@@ -524,7 +540,17 @@ mod tests {
             prop_assert_eq!(&d, &p);
             let mut again = Vec::new();
             d.encode(&mut again);
-            prop_assert_eq!(again, b);
+            prop_assert_eq!(&again, &b);
+            // The shared decode gives the same packet, its payload a slice
+            // of the buffer decoded (behind the headers, not a copy).
+            let shared = Bytes::from(b);
+            let s = Packet::decode_shared(&shared).unwrap();
+            prop_assert_eq!(&s, &p);
+            if !s.payload.is_empty() {
+                let at = s.payload.as_ptr() as usize - shared.as_ptr() as usize;
+                prop_assert!(at + s.payload.len() <= shared.len());
+                prop_assert_eq!(&shared[at..at + s.payload.len()], &p.payload[..]);
+            }
         }
 
         #[test]

@@ -1357,6 +1357,55 @@ fn a_resumed_read_restarts_the_queued_responses() {
     }
 }
 
+/// A packet decoded in place from a receive buffer (its payload a slice of
+/// the buffer) and kept out of order by a selective-repeat responder does
+/// not keep the buffer: the receive loop takes it back whole, and the kept
+/// write still lands with its bytes once the gap fills.
+#[test]
+fn an_out_of_order_packet_kept_does_not_hold_the_receive_buffer() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat: true,
+        dcqcn: None,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    regions(&mut mem, 1);
+    let data = pattern(9, 512);
+    let write = |op: Opcode, psn: u32, part: usize| {
+        let mut p = Packet::new(Bth::new(op, 0x22, psn));
+        if op == Opcode::RDMA_WRITE_FIRST {
+            p.reth = Some(Reth {
+                va: W_VA,
+                rkey: W_KEY,
+                dma_len: 512,
+            });
+        }
+        p.payload = Bytes::copy_from_slice(&data[part * 256..part * 256 + 256]);
+        p.finish();
+        let mut wire = Vec::new();
+        p.encode(&mut wire);
+        wire
+    };
+    // The LAST arrives first, decoded from a buffer of its own.
+    let buf = Bytes::from(write(Opcode::RDMA_WRITE_LAST, 101, 1));
+    let last = Packet::decode_shared(&buf).unwrap();
+    b.handle_packet(0, &last, false, &mut mem);
+    assert_eq!(b.stats().out_of_order_kept, 1);
+    drop(last);
+    assert!(
+        buf.try_into_mut().is_ok(),
+        "the receive buffer is still shared"
+    );
+    let first = Bytes::from(write(Opcode::RDMA_WRITE_FIRST, 100, 0));
+    b.handle_packet(1, &Packet::decode_shared(&first).unwrap(), false, &mut mem);
+    use rdmx_roce_proto::Memory;
+    assert!(mem.read(W_KEY, W_VA, 512).unwrap()[..] == data[..]);
+}
+
 /// max_rd_atomic: at most that many READs are in flight, counted from the
 /// oldest unfinished one; one that finished frees its slot at once, whether
 /// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the

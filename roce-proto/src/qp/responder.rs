@@ -60,7 +60,12 @@ impl Qp {
             // selective repeat the packet is kept (within the requester's
             // window) and executed in order once the gap fills.
             if self.cfg.selective_repeat && d < 2 * self.cfg.max_unacked.max(1) as i32 {
-                if self.ooo.insert(pkt.bth.psn, pkt.clone()).is_none() {
+                // Kept with a payload of its own: a payload sliced from a
+                // receive buffer (Packet::decode_shared) would hold the
+                // whole buffer for as long as the gap lasts.
+                let mut kept = pkt.clone();
+                kept.payload = Bytes::copy_from_slice(&pkt.payload);
+                if self.ooo.insert(pkt.bth.psn, kept).is_none() {
                     self.stats.out_of_order_kept += 1;
                 }
                 // The gap persists while packets keep coming: say so again

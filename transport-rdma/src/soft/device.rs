@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::timer::TimerTarget;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit, UdpSocketState};
 use rdmx_core::Stats;
@@ -1400,7 +1400,7 @@ const RX_BUF: usize = 64 * 1024;
 /// Receive loop: GRO/recvmmsg batches → verify ICRC → engine → pump touched QPs.
 async fn rx_loop(d: Arc<Device>, queue: usize) {
     let rx = &d.rx[queue];
-    let mut bufs: Vec<Vec<u8>> = (0..RX_BATCH).map(|_| vec![0u8; RX_BUF]).collect();
+    let mut bufs: Vec<BytesMut> = (0..RX_BATCH).map(|_| BytesMut::zeroed(RX_BUF)).collect();
     let mut metas = vec![RecvMeta::default(); RX_BATCH];
     let mut solver = Ipv4IdSolver::new();
     let mut touched: Vec<Arc<SoftQp>> = Vec::new();
@@ -1410,8 +1410,10 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
         };
         loop {
             let r = {
-                let mut iovs: Vec<IoSliceMut<'_>> =
-                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let mut iovs: Vec<IoSliceMut<'_>> = bufs
+                    .iter_mut()
+                    .map(|b| IoSliceMut::new(&mut b[..]))
+                    .collect();
                 rx.state
                     .recv(rx.sock.get_ref().into(), &mut iovs, &mut metas)
             };
@@ -1427,11 +1429,23 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
                 }
             };
             let now = d.now();
-            for (meta, buf) in metas.iter().zip(&bufs).take(n) {
+            for (meta, slot) in metas.iter().zip(bufs.iter_mut()).take(n) {
+                // The engine gets each datagram as a slice of the buffer
+                // (no copy before it applies the payload), then the buffer
+                // goes back to its slot, unless something kept a slice of
+                // it: then the slot gets a fresh one.
+                let full = std::mem::take(slot).freeze();
                 let stride = meta.stride.max(1);
-                for dgram in buf[..meta.len].chunks(stride) {
-                    handle_datagram(&d, &mut solver, now, meta, dgram, &mut touched);
+                let mut at = 0;
+                while at < meta.len {
+                    let end = (at + stride).min(meta.len);
+                    let dgram = full.slice(at..end);
+                    handle_datagram(&d, &mut solver, now, meta, &dgram, &mut touched);
+                    at = end;
                 }
+                *slot = full
+                    .try_into_mut()
+                    .unwrap_or_else(|_| BytesMut::zeroed(RX_BUF));
             }
             for qp in touched.drain(..) {
                 qp.pump_inline();
@@ -1453,7 +1467,7 @@ fn handle_datagram(
     solver: &mut Ipv4IdSolver,
     now: u64,
     meta: &RecvMeta,
-    dgram: &[u8],
+    dgram: &Bytes,
     touched: &mut Vec<Arc<SoftQp>>,
 ) {
     let c = &d.counters;
@@ -1483,7 +1497,7 @@ fn handle_datagram(
         c.icrc_errors.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    let pkt = match Packet::decode(t) {
+    let pkt = match Packet::decode_shared(&dgram.slice(..t.len())) {
         Ok(p) => p,
         Err(_) => {
             c.malformed.fetch_add(1, Ordering::Relaxed);

@@ -1294,6 +1294,25 @@ fn resumed_read_takes_rxe_style_middle_and_last() {
     }
 }
 
+/// A responder (QPN 0x22, PMTU 256, expecting PSN 100 from QPN 0x11) with
+/// the regions of seed `seed`, driven by hand-made packets.
+fn lone_responder(
+    selective_repeat: bool,
+    seed: u64,
+) -> (rdmx_roce_proto::Qp, rdmx_roce_proto::VecMemory) {
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat,
+        dcqcn: None,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    regions(&mut mem, seed);
+    (b, mem)
+}
+
 /// A READ asked again from a PSN whose responses are still queued (the
 /// requester lost one; rxe resumes from the gap): every response from there
 /// goes out once more, with the data of its offset, instead of the old
@@ -1304,16 +1323,7 @@ fn resumed_read_takes_rxe_style_middle_and_last() {
 fn a_resumed_read_restarts_the_queued_responses() {
     use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
     for selective_repeat in [false, true] {
-        let cfg = QpConfig {
-            pmtu: 256,
-            selective_repeat,
-            dcqcn: None,
-            ..QpConfig::default()
-        };
-        let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
-        b.connect(0x11, 500, 100).unwrap();
-        let mut mem = rdmx_roce_proto::VecMemory::default();
-        regions(&mut mem, 3);
+        let (mut b, mut mem) = lone_responder(selective_repeat, 3);
         let want = pattern(3, REGION);
         let read = |psn: u32, part: u32, parts: u32| {
             let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
@@ -1364,16 +1374,7 @@ fn a_resumed_read_restarts_the_queued_responses() {
 #[test]
 fn an_out_of_order_packet_kept_does_not_hold_the_receive_buffer() {
     use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
-    let cfg = QpConfig {
-        pmtu: 256,
-        selective_repeat: true,
-        dcqcn: None,
-        ..QpConfig::default()
-    };
-    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
-    b.connect(0x11, 500, 100).unwrap();
-    let mut mem = rdmx_roce_proto::VecMemory::default();
-    regions(&mut mem, 1);
+    let (mut b, mut mem) = lone_responder(true, 1);
     let data = pattern(9, 512);
     let write = |op: Opcode, psn: u32, part: usize| {
         let mut p = Packet::new(Bth::new(op, 0x22, psn));

@@ -1,7 +1,7 @@
 //! The conformance suite again, unchanged, on a soft RoCE device that speaks
-//! only go-back-N (what RoCE NICs speak) on a port of its own, and sends each
-//! datagram from one buffer (the path taken where the kernel refuses gathered
-//! sends; the default suite covers gathered ones).
+//! only go-back-N (what RoCE NICs speak) on a port of its own, with gathered
+//! sends on (`SoftConfig::gathered_sends`, off by default; the default suite
+//! covers the one-buffer path).
 
 use std::sync::Arc;
 
@@ -12,7 +12,7 @@ fn suite() -> Suite {
     let dev = SoftRoce::new(SoftConfig {
         port: 0,
         selective_repeat: false,
-        gathered_sends: false,
+        gathered_sends: true,
         ..SoftConfig::default()
     })
     .expect("soft device");

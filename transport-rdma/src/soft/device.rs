@@ -1035,11 +1035,11 @@ impl SoftQp {
             let len: usize = segs[i..j].iter().sum();
             let gso = (j - i > 1).then_some(size);
             let c = &self.dev.counters;
-            c.tx_calls.fetch_add(1, Ordering::Relaxed);
             let grams = &inner.grams[i..j];
             let mut sent = if tx.gather_refused.load(Ordering::Relaxed) {
                 Err(io::Error::from(io::ErrorKind::Unsupported))
             } else {
+                c.tx_calls.fetch_add(1, Ordering::Relaxed);
                 gather::send(
                     &tx.sock,
                     tx.local,

@@ -489,6 +489,13 @@ pub struct Qp {
     /// once the gap fills.
     ooo: std::collections::BTreeMap<u32, Packet>,
     resources: VecDeque<Resource>,
+    /// The newest PSN a plain ACK may name: the last SEND or WRITE packet
+    /// executed. A READ's or atomic's PSNs are answered by their responses
+    /// only; rxe's requester completes a READ on an ACK naming its last PSN
+    /// without the data of that response (comp.c `check_psn`), so a re-ACK
+    /// that named it lost a READ's last packet (rxe resp.c keeps `ack_psn`
+    /// the same way, IBTA 9.7.5.1.2).
+    ack_psn: u32,
     pending_ack: Option<u32>,
     resp_tx: VecDeque<Packet>,
 
@@ -562,6 +569,7 @@ impl Qp {
             sent_at: 0,
             unanswered_probes: 0,
             epsn: 0,
+            ack_psn: psn::PSN_MASK,
             msn: 0,
             rq: VecDeque::new(),
             open: None,
@@ -651,6 +659,7 @@ impl Qp {
         self.expect(QpState::Init)?;
         self.remote_qpn = remote_qpn & psn::PSN_MASK;
         self.epsn = rq_psn & psn::PSN_MASK;
+        self.ack_psn = psn::add(self.epsn, psn::PSN_MASK);
         self.state = QpState::Rtr;
         Ok(())
     }

@@ -111,7 +111,7 @@ impl Qp {
         let epsn = self.epsn;
         self.ooo.retain(|&p, _| psn::diff(p, epsn) > 0);
         if ran {
-            self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+            self.pending_ack = Some(self.ack_psn);
         }
         if !self.ooo.is_empty() && self.state != QpState::Error {
             // Another gap: say where at once, and name the next few holes
@@ -149,6 +149,7 @@ impl Qp {
     /// After executing a SEND/WRITE packet: advance ePSN and ACK if asked (coalesced).
     pub(super) fn accepted(&mut self, pkt: &Packet, message_done: bool) {
         self.epsn = psn::add(self.epsn, 1);
+        self.ack_psn = pkt.bth.psn;
         if message_done {
             self.msn = psn::add(self.msn, 1);
         }
@@ -497,8 +498,11 @@ impl Qp {
                 }
             }
             _ => {
-                // SEND/WRITE: not re-executed; ACK everything received so far.
-                self.pending_ack = Some(psn::add(self.epsn, psn::PSN_MASK));
+                // SEND/WRITE: not re-executed; ACK again, naming the last
+                // SEND/WRITE executed, never a READ's or atomic's PSN
+                // (IBTA 9.7.5.1.2, C9-105; rxe resp.c `duplicate_request`
+                // acks `ack_psn - 1`, which READs do not move).
+                self.pending_ack = Some(self.ack_psn);
             }
         }
     }

@@ -1,7 +1,7 @@
 //! The conformance suite again, unchanged, on a soft RoCE device that speaks
 //! only go-back-N (what RoCE NICs speak) on a port of its own, with gathered
-//! sends on (`SoftConfig::gathered_sends`, off by default; the default suite
-//! covers the one-buffer path).
+//! sends off (`SoftConfig::gathered_sends`, on by default): this suite covers
+//! the one-buffer send path, the default suite the gathered one.
 
 use std::sync::Arc;
 
@@ -12,7 +12,7 @@ fn suite() -> Suite {
     let dev = SoftRoce::new(SoftConfig {
         port: 0,
         selective_repeat: false,
-        gathered_sends: true,
+        gathered_sends: false,
         ..SoftConfig::default()
     })
     .expect("soft device");

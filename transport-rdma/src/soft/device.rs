@@ -96,10 +96,7 @@ pub struct SoftConfig {
     /// `sendmsg` per GSO run, instead of copying it into one buffer first
     /// (soft/gather.rs). Either way the bytes on the wire are the same; a
     /// kernel that refuses the gathered form gets the other from then on.
-    /// Default: off unless `RDMX_SOFT_GATHER=1`: against rxe in a guest,
-    /// one 1 KiB READ response payload in some 16 MiB transfers arrived
-    /// wrong (with a valid ICRC) with gathered sends on, never with them off;
-    /// until that is understood the one-buffer path is the default.
+    /// Default: on unless `RDMX_SOFT_GATHER=0`.
     pub gathered_sends: bool,
 }
 
@@ -118,7 +115,7 @@ impl Default for SoftConfig {
             window: 256,
             max_ack_timeout: 8,
             exact_ipv4: std::env::var("RDMX_SOFT_EXACT_IPV4").is_ok_and(|v| v == "1"),
-            gathered_sends: std::env::var("RDMX_SOFT_GATHER").is_ok_and(|v| v == "1"),
+            gathered_sends: std::env::var("RDMX_SOFT_GATHER").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -1036,48 +1033,27 @@ impl SoftQp {
             let gso = (j - i > 1).then_some(size);
             let c = &self.dev.counters;
             let grams = &inner.grams[i..j];
-            let mut sent = if tx.gather_refused.load(Ordering::Relaxed) {
-                Err(io::Error::from(io::ErrorKind::Unsupported))
+            let sent = if tx.gather_refused.load(Ordering::Relaxed) {
+                self.send_flat(tx, dst, &inner.out, grams, len, gso)
             } else {
                 c.tx_calls.fetch_add(1, Ordering::Relaxed);
-                gather::send(
-                    &tx.sock,
-                    tx.local,
-                    dst,
-                    self.dev.cfg.ecn,
-                    &inner.out,
-                    grams,
-                    gso,
-                )
-            };
-            if let Err(e) = &sent {
-                if e.kind() != io::ErrorKind::WouldBlock {
-                    // The form itself refused (bad argument, no offload on
-                    // the path), not this send: stop gathering.
-                    let form = matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL | libc::EIO | libc::EOPNOTSUPP | libc::EMSGSIZE)
-                    );
-                    if form && !tx.gather_refused.swap(true, Ordering::Relaxed) {
-                        warn!(%dst, "soft RoCE: gathered send refused ({e}); sending from one buffer from now on");
-                    }
-                    let mut contents = Vec::with_capacity(len);
-                    for g in grams {
-                        for piece in g.pieces(&inner.out) {
-                            contents.extend_from_slice(piece);
+                let ecn = self.dev.cfg.ecn;
+                match gather::send(&tx.sock, tx.local, dst, ecn, &inner.out, grams, gso) {
+                    Err(e) if e.kind() != io::ErrorKind::WouldBlock => {
+                        // The form itself refused (bad argument, no offload
+                        // on the path), not this send: stop gathering.
+                        let form = matches!(
+                            e.raw_os_error(),
+                            Some(libc::EINVAL | libc::EIO | libc::EOPNOTSUPP | libc::EMSGSIZE)
+                        );
+                        if form && !tx.gather_refused.swap(true, Ordering::Relaxed) {
+                            warn!(%dst, "soft RoCE: gathered send refused ({e}); sending from one buffer from now on");
                         }
+                        self.send_flat(tx, dst, &inner.out, grams, len, gso)
                     }
-                    let t = Transmit {
-                        destination: dst,
-                        ecn: self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0),
-                        contents: &contents,
-                        segment_size: gso,
-                        src_ip: None,
-                    };
-                    c.tx_calls.fetch_add(1, Ordering::Relaxed);
-                    sent = try_send(tx, &t);
+                    sent => sent,
                 }
-            }
+            };
             match sent {
                 Ok(()) => {
                     c.tx_packets.fetch_add((j - i) as u64, Ordering::Relaxed);
@@ -1108,6 +1084,35 @@ impl SoftQp {
         }
         inner.segs = segs;
         true
+    }
+
+    /// Send one GSO run (`grams`, `len` bytes in all) from one buffer through
+    /// quinn-udp: the path when gathered sends are off or were refused.
+    /// quinn-udp retries without ECN on EINVAL and stops segmenting on EIO.
+    fn send_flat(
+        &self,
+        tx: &Tx,
+        dst: SocketAddr,
+        out: &[u8],
+        grams: &[Gathered],
+        len: usize,
+        gso: Option<usize>,
+    ) -> io::Result<()> {
+        let mut contents = Vec::with_capacity(len);
+        for g in grams {
+            for piece in g.pieces(out) {
+                contents.extend_from_slice(piece);
+            }
+        }
+        let t = Transmit {
+            destination: dst,
+            ecn: self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0),
+            contents: &contents,
+            segment_size: gso,
+            src_ip: None,
+        };
+        self.dev.counters.tx_calls.fetch_add(1, Ordering::Relaxed);
+        try_send(tx, &t)
     }
 
     fn spawn_flusher(self: &Arc<Self>, inner: &mut Inner) {

@@ -318,14 +318,17 @@ impl Qp {
         let pmtu = u64::from(self.cfg.pmtu);
         let len = u64::from(reth.dma_len);
         let npkts = len.div_ceil(pmtu).max(1) as u32;
+        // One load of the whole range (one lookup and one copy, not one per
+        // packet); each response carries its slice of it.
+        let all = if len == 0 {
+            Bytes::new()
+        } else {
+            mem.read(reth.rkey, reth.va, len)?
+        };
         for i in 0..npkts {
             let off = u64::from(i) * pmtu;
             let n = pmtu.min(len - off.min(len));
-            let data = if n == 0 {
-                Bytes::new()
-            } else {
-                mem.read(reth.rkey, reth.va + off, n)?
-            };
+            let data = all.slice(off as usize..(off + n) as usize);
             let opcode = match (i == 0, i + 1 == npkts) {
                 (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
                 (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,

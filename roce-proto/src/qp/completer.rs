@@ -80,6 +80,10 @@ impl Qp {
                 break;
             }
         }
+        // Selective repeat: READs behind may have finished already.
+        if self.cfg.selective_repeat {
+            self.una_past_done(0);
+        }
         true
     }
 
@@ -218,9 +222,15 @@ impl Qp {
         // Responses implicitly acknowledge everything before the read.
         let front_read = self.sq.iter().position(|w| w.done.is_none());
         if let Some(i) = front_read {
+            let before = self.una;
             if !self.sq[i].needs_response() && !self.implicit_ack(psn::add(p, psn::PSN_MASK)) {
                 self.stats.dropped += 1;
                 return;
+            }
+            // Selective repeat: the response may be a copy, or one of a READ
+            // behind the front one; what it acknowledged completes now.
+            if self.cfg.selective_repeat && self.una != before {
+                self.progress(now);
             }
         }
         let Some(w) = self.sq.iter_mut().find(|w| w.done.is_none()) else {
@@ -232,7 +242,7 @@ impl Qp {
             return;
         };
         if self.cfg.selective_repeat {
-            return self.read_response_sr(now, pkt, len);
+            return self.read_response_sr(now, pkt);
         }
         if p != w.read_next || psn::diff(p, w.first_psn) < 0 || psn::diff(p, w.last_psn()) > 0 {
             // Out of place: a gap (loss or reordering) or a late copy from an

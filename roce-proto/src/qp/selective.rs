@@ -84,18 +84,33 @@ impl Qp {
 
     /// Selective repeat: take a READ response wherever it falls in the front
     /// READ, and ask again for just the holes below the highest one received.
-    pub(super) fn read_response_sr(&mut self, now: u64, pkt: &Packet, len: u32) {
+    pub(super) fn read_response_sr(&mut self, now: u64, pkt: &Packet) {
         let p = pkt.bth.psn;
         let pmtu = self.cfg.pmtu as usize;
-        let Some(i) = self.sq.iter().position(|w| w.done.is_none()) else {
+        let Some(front) = self.sq.iter().position(|w| w.done.is_none()) else {
             return;
+        };
+        // The READ whose responses these are: the front one, or one behind
+        // it whose requests went out while the front one still misses some
+        // (with a window of several READ chunks, a loss in one READ must not
+        // throw away the next one's responses: they would be asked again
+        // and lost again behind the same hole).
+        let Some(i) = (front..self.sq.len()).find(|&k| {
+            let w = &self.sq[k];
+            let d = psn::diff(p, w.first_psn);
+            w.done.is_none()
+                && matches!(w.wr, WorkRequest::Read { .. })
+                && d >= 0
+                && d < w.npkts as i32
+        }) else {
+            self.stats.dropped += 1;
+            return;
+        };
+        let WorkRequest::Read { len, .. } = self.sq[i].wr else {
+            unreachable!("found as a READ")
         };
         let w = &mut self.sq[i];
         let d = psn::diff(p, w.first_psn);
-        if d < 0 || d >= w.npkts as i32 {
-            self.stats.dropped += 1;
-            return;
-        }
         let idx = d as u32;
         let is_last = idx + 1 == w.npkts;
         let want_len = if is_last {
@@ -141,9 +156,21 @@ impl Qp {
             n += 1;
         }
         w.read_next = psn::add(w.first_psn, n);
+        if i != front {
+            // Kept for when the READs ahead finish (completions stay in
+            // order; `una` moves past it then, in `una_past_done`).
+            if w.read_count == w.npkts {
+                w.done = Some((WcStatus::Success, None));
+            }
+            // What the response acknowledged implicitly ahead of the front
+            // READ (`read_response`) completes now.
+            self.deliver_done();
+            return;
+        }
         if w.read_count == w.npkts {
             w.done = Some((WcStatus::Success, None));
             self.una = psn::add(w.last_psn(), 1);
+            self.una_past_done(i + 1);
         } else {
             self.una = w.read_next;
             // Responses come in order: the ones this one jumped over are
@@ -156,6 +183,26 @@ impl Qp {
         }
         if n != before || self.sq[i].done.is_some() {
             self.progress(now);
+        }
+    }
+
+    /// After the work requests ahead finished: move `una` past those from
+    /// `from` on that finished already (READs whose responses all came while
+    /// it still missed some), and into the next READ as far as its responses
+    /// arrived in order.
+    pub(super) fn una_past_done(&mut self, from: usize) {
+        for w in self.sq.iter().skip(from) {
+            if w.done.is_some() {
+                let past = psn::add(w.last_psn(), 1);
+                if psn::diff(past, self.una) > 0 {
+                    self.una = past;
+                }
+                continue;
+            }
+            if matches!(w.wr, WorkRequest::Read { .. }) && psn::diff(w.read_next, self.una) > 0 {
+                self.una = w.read_next;
+            }
+            break;
         }
     }
 

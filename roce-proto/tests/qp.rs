@@ -1773,3 +1773,58 @@ fn responses_of_a_read_behind_an_unfinished_one_are_kept() {
     }
     assert_eq!(a.outstanding(), 0);
 }
+
+/// `set_window` bounds the packets in flight (both loss recoveries), is
+/// refused once the QP is past INIT, and a READ is asked for in chunks of
+/// that many responses.
+#[test]
+fn set_window_bounds_the_packets_in_flight() {
+    use rdmx_roce_proto::{Opcode, QpError, QpState};
+    for selective_repeat in [false, true] {
+        let cfg = QpConfig {
+            pmtu: 256,
+            selective_repeat,
+            dcqcn: None,
+            ..QpConfig::default()
+        };
+        let mut a = rdmx_roce_proto::Qp::new(cfg, 0x11);
+        a.to_init().unwrap();
+        a.set_window(8).unwrap();
+        a.to_rtr(0x22, 100).unwrap();
+        a.to_rts(500).unwrap();
+        assert!(matches!(
+            a.set_window(16),
+            Err(QpError::State(QpState::Rts))
+        ));
+        let data = Bytes::from(pattern(4, 32 * 256));
+        let wr = WorkRequest::Write {
+            data,
+            va: W_VA,
+            rkey: W_KEY,
+            imm: None,
+        };
+        a.post_send(1, wr).unwrap();
+        let sent: Vec<u32> = std::iter::from_fn(|| a.poll_transmit(0))
+            .map(|p| p.bth.psn)
+            .collect();
+        assert_eq!(
+            sent,
+            (500..508).collect::<Vec<_>>(),
+            "SR {selective_repeat}"
+        );
+        let mut b = rdmx_roce_proto::Qp::new(cfg, 0x11);
+        b.to_init().unwrap();
+        b.set_window(8).unwrap();
+        b.to_rtr(0x22, 100).unwrap();
+        b.to_rts(500).unwrap();
+        let wr = WorkRequest::Read {
+            va: R_VA,
+            rkey: R_KEY,
+            len: 32 * 256,
+        };
+        b.post_send(2, wr).unwrap();
+        let req = b.poll_transmit(0).expect("a READ request");
+        assert_eq!(req.bth.opcode, Opcode::RDMA_READ_REQUEST);
+        assert_eq!(req.reth.unwrap().dma_len, 8 * 256);
+    }
+}

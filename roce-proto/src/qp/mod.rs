@@ -645,6 +645,20 @@ impl Qp {
     pub fn cwnd(&self) -> u32 {
         self.cwnd
     }
+    /// Unacknowledged packets this QP may have in flight (`max_unacked`,
+    /// also the size of a READ request's chunk of responses), chosen once the
+    /// loss recovery is known: before RTR, as the other connection
+    /// attributes. The go-back-N congestion window starts there again.
+    pub fn set_window(&mut self, packets: u32) -> Result<(), QpError> {
+        if !matches!(self.state, QpState::Reset | QpState::Init) {
+            return Err(QpError::State(self.state));
+        }
+        let n = packets.max(1);
+        self.cfg.max_unacked = n;
+        self.cwnd = n;
+        self.ssthresh = n;
+        Ok(())
+    }
     /// Gather READ data in buffers from `b` (e.g. a pool) instead of fresh allocations.
     pub fn set_read_buffers(&mut self, b: ReadBuffers) {
         self.read_buffers = b;

@@ -491,10 +491,10 @@ pub struct Qp {
     resources: VecDeque<Resource>,
     /// The newest PSN a plain ACK may name: the last SEND or WRITE packet
     /// executed. A READ's or atomic's PSNs are answered by their responses
-    /// only; rxe's requester completes a READ on an ACK naming its last PSN
-    /// without the data of that response (comp.c `check_psn`), so a re-ACK
-    /// that named it lost a READ's last packet (rxe resp.c keeps `ack_psn`
-    /// the same way, IBTA 9.7.5.1.2).
+    /// only: against rxe in the testbed, a re-ACK naming a READ's last PSN
+    /// lost that READ's last response (rxe's requester took the READ as
+    /// complete without it); rxe's responder keeps its `ack_psn` the same
+    /// way (resp.c, IBTA 9.7.5.1.2).
     ack_psn: u32,
     pending_ack: Option<u32>,
     resp_tx: VecDeque<Packet>,

@@ -628,6 +628,46 @@ proptest! {
     }
 }
 
+/// A case the proptest found in a 20,000-case run: B's READ of 4097 bytes
+/// (17 packets at PMTU 256) loses its request, A's responses to a one-packet
+/// probe and to the re-ask, among zero-length READs, SENDs and duplicates
+/// from A. The READ completes once and in order (it used to run out of
+/// retries: see `a_duplicate_read_past_the_executed_one_serves_what_was_executed`).
+#[test]
+fn zero_length_reads_under_duplicates_complete_in_order_with_selective_repeat() {
+    let send0 = || Op::Send { len: 0, imm: None };
+    let read0 = || Op::Read { off: 0, len: 0 };
+    let mut ops_a = vec![
+        send0(),
+        send0(),
+        Op::Faa { word: 0, add: 1 },
+        read0(),
+        send0(),
+        read0(),
+        send0(),
+    ];
+    ops_a.extend((0..7).map(|_| read0()));
+    ops_a.push(send0());
+    ops_a.extend((0..3).map(|_| read0()));
+    ops_a.extend([send0(), read0(), send0(), send0()]);
+    ops_a.extend((0..3).map(|_| read0()));
+    let ops_b = [Op::Read { off: 0, len: 4097 }];
+    let link = Link {
+        loss: 0.06768241860103791,
+        dup: 0.03368044700209779,
+        jitter_ns: 39,
+        ce: 0.0,
+        ..Link::default()
+    };
+    let cfg = QpConfig {
+        pmtu: 256,
+        timeout: 10,
+        selective_repeat: true,
+        ..QpConfig::default()
+    };
+    run(&ops_a, &ops_b, link, cfg, 2835848323899206236);
+}
+
 /// A responder whose application destroys the QP (ERROR) right after taking
 /// a message, before the coalesced ACK for it left, still acknowledges it:
 /// the requester completes instead of retrying into a dead QP (an
@@ -1826,5 +1866,53 @@ fn set_window_bounds_the_packets_in_flight() {
         let req = b.poll_transmit(0).expect("a READ request");
         assert_eq!(req.bth.opcode, Opcode::RDMA_READ_REQUEST);
         assert_eq!(req.reth.unwrap().dma_len, 8 * 256);
+    }
+}
+
+/// Selective repeat: a READ whose request was lost is probed with a
+/// one-packet READ at its first PSN, which the responder runs as a READ of
+/// its own. The requester's next ask covers the whole range from that PSN:
+/// the responder serves the part it ran (not nothing: dropping it left the
+/// requester asking the same range until its retries ran out), and the rest,
+/// asked from the next PSN, runs as a new READ. Go-back-N peers keep the
+/// exact rule: a duplicate READ reaching past the one executed is dropped.
+#[test]
+fn a_duplicate_read_past_the_executed_one_serves_what_was_executed() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    let read = |psn: u32, from: u64, len: u32| {
+        let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
+        p.reth = Some(Reth {
+            va: R_VA + from,
+            rkey: R_KEY,
+            dma_len: len,
+        });
+        p.finish();
+        p
+    };
+    let responses = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(u32, usize)> {
+        std::iter::from_fn(|| b.poll_transmit(now))
+            .filter(|p| p.bth.opcode.is_read_response())
+            .map(|p| (p.bth.psn, p.payload.len()))
+            .collect()
+    };
+    for selective_repeat in [true, false] {
+        let (mut b, mut mem) = lone_responder(selective_repeat, 5);
+        // The probe: one packet at the PSN expected, run as a new READ.
+        b.handle_packet(0, &read(100, 0, 256), false, &mut mem);
+        assert_eq!(responses(&mut b, 1), vec![(100, 256)]);
+        // The whole 4097 bytes asked from the same PSN.
+        b.handle_packet(2, &read(100, 0, 4097), false, &mut mem);
+        let want = if selective_repeat {
+            vec![(100, 256)]
+        } else {
+            vec![]
+        };
+        assert_eq!(responses(&mut b, 3), want, "SR {selective_repeat}");
+        // The rest, from the next PSN: a new READ of 16 packets.
+        b.handle_packet(4, &read(101, 256, 4097 - 256), false, &mut mem);
+        let rest = responses(&mut b, 5);
+        assert_eq!(rest.len(), 16, "SR {selective_repeat}");
+        assert_eq!(rest[0], (101, 256));
+        assert_eq!(rest[15], (116, 1));
     }
 }

@@ -429,30 +429,44 @@ impl Qp {
                 // range inside the original, VA consistent with the PSN (§6).
                 let pmtu = u64::from(self.cfg.pmtu);
                 let sr = self.cfg.selective_repeat;
-                let ok = self.resources.iter().rev().any(|r| match *r {
+                let served = self.resources.iter().rev().find_map(|r| match *r {
                     Resource::Read {
                         first_psn,
                         npkts,
                         reth: orig,
                     } => {
                         let k = psn::diff(p, first_psn);
-                        k >= 0
-                            && k < npkts as i32
-                            && orig.rkey == reth.rkey
-                            && reth.va == orig.va + k as u64 * pmtu
-                            && (reth.va + u64::from(reth.dma_len)
-                                == orig.va + u64::from(orig.dma_len)
-                                // Selective repeat asks again for just the
-                                // responses it misses: any sub-range.
-                                || (sr && reth.va + u64::from(reth.dma_len)
-                                    <= orig.va + u64::from(orig.dma_len)))
+                        let orig_end = orig.va + u64::from(orig.dma_len);
+                        let end = reth.va + u64::from(reth.dma_len);
+                        if k < 0
+                            || k >= npkts as i32
+                            || orig.rkey != reth.rkey
+                            || reth.va != orig.va + k as u64 * pmtu
+                        {
+                            return None;
+                        }
+                        if end == orig_end || (sr && end <= orig_end) {
+                            return Some(reth.dma_len);
+                        }
+                        // Selective repeat asks again for just the responses
+                        // it misses, as one range over PSNs that this side
+                        // may have executed as several READs (the requester's
+                        // one-packet probe of a chunk whose request was lost
+                        // runs as a READ of its own, and the rest of the
+                        // chunk follows as another): serve the part this
+                        // READ covers; the requester asks again for the rest,
+                        // at a PSN where the next READ (or ePSN) begins.
+                        // Dropping it instead left the requester asking for
+                        // the same range until its retries ran out.
+                        sr.then(|| (orig_end - reth.va) as u32)
                     }
-                    Resource::Atomic { .. } => false,
+                    Resource::Atomic { .. } => None,
                 });
-                if !ok {
+                let Some(dma_len) = served else {
                     self.stats.dropped += 1;
                     return;
-                }
+                };
+                let reth = Reth { dma_len, ..reth };
                 let n = u64::from(reth.dma_len).div_ceil(pmtu).max(1) as i32;
                 let in_range = |q: &Packet| {
                     let d = psn::diff(q.bth.psn, p);

@@ -89,6 +89,8 @@ pub(crate) struct SoakReport {
 #[derive(Debug, Default, Serialize)]
 pub(crate) struct RdmaCounters {
     retransmits: u64,
+    retransmit_timeouts: u64,
+    tail_probes: u64,
     naks: u64,
     rnr_naks: u64,
     cnps: u64,
@@ -119,8 +121,14 @@ impl SoakReport {
         );
         if let Some(r) = &self.rdma {
             print!(
-                "; retransmits {}, NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}",
-                r.retransmits, r.naks, r.rnr_naks, r.cnps, r.ce_marked
+                "; retransmits {} ({} timer expiries, {} tail probes), NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}",
+                r.retransmits,
+                r.retransmit_timeouts,
+                r.tail_probes,
+                r.naks,
+                r.rnr_naks,
+                r.cnps,
+                r.ce_marked
             );
         }
         println!();
@@ -297,6 +305,8 @@ async fn client(conn: &Connection, total: u64, chunk: u64) -> Result<SoakReport,
     let after = conn.stats();
     let rdma = (conn.transport() != "tcp").then(|| RdmaCounters {
         retransmits: after.retransmits - before.retransmits,
+        retransmit_timeouts: after.retransmit_timeouts - before.retransmit_timeouts,
+        tail_probes: after.tail_probes - before.tail_probes,
         naks: after.naks - before.naks,
         rnr_naks: after.rnr_naks - before.rnr_naks,
         cnps: after.cnps - before.cnps,

@@ -209,6 +209,11 @@ fn soft_roce_survives_packet_loss() {
         assert_eq!(r["verified"], true);
         assert!(r["bytes"].as_u64().unwrap() >= 256 << 20);
         assert!(r["rdma"]["retransmits"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["rdma"]["retransmit_timeouts"].as_u64().is_some(), "{r}");
+        // Tail-loss probes are selective repeat's: some at every loss rate
+        // (a lost last packet or ACK each time), none under go-back-N.
+        let probes = r["rdma"]["tail_probes"].as_u64().unwrap();
+        assert_eq!(probes > 0, !gbn, "{r}");
         let mode = if gbn { "go-back-N" } else { "selective repeat" };
         assert!(r["provider"].as_str().unwrap().contains(mode), "{r}");
     }

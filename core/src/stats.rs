@@ -69,6 +69,10 @@ counters! {
     retransmits,
     /// NAKs received (RDMA transports).
     naks,
+    /// Retransmission timer expiries (RDMA transports; soft RoCE counts them).
+    retransmit_timeouts,
+    /// Tail-loss probes sent after the peer fell silent (soft RoCE, selective repeat).
+    tail_probes,
     /// RNR NAKs received (RDMA transports).
     rnr_naks,
     /// Congestion notification packets handled (RDMA transports).

@@ -1188,6 +1188,8 @@ impl SoftQp {
         let d = |a: u64, b: u64| a.saturating_sub(b);
         stats.add(|s| &s.retransmits, d(now.retransmits, last.retransmits));
         stats.add(|s| &s.naks, d(now.naks_received, last.naks_received));
+        stats.add(|s| &s.retransmit_timeouts, d(now.timeouts, last.timeouts));
+        stats.add(|s| &s.tail_probes, d(now.tail_probes, last.tail_probes));
         stats.add(
             |s| &s.rnr_naks,
             d(now.rnr_naks_received, last.rnr_naks_received),

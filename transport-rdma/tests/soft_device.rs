@@ -6,13 +6,13 @@ use std::future::IntoFuture;
 use std::net::UdpSocket;
 use std::sync::Arc;
 
-use rdmx_conformance::Suite;
+use rdmx_conformance::{Pair, Suite};
 use rdmx_core::Access;
 use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_packets_are_dropped_and_counted() {
+/// A soft device on a free port, and a connected pair over it.
+async fn soft_pair() -> (Arc<SoftRoce>, Pair) {
     let dev = Arc::new(
         SoftRoce::new(SoftConfig {
             port: 0,
@@ -26,6 +26,12 @@ async fn bad_packets_are_dropped_and_counted() {
     )
     .pair()
     .await;
+    (dev, p)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_packets_are_dropped_and_counted() {
+    let (dev, p) = soft_pair().await;
     let c = &p.client;
     let mr = p.server_opts.domain.register(4096, Access::ALL);
     let qpn = |info: &str| {
@@ -74,19 +80,7 @@ async fn bad_packets_are_dropped_and_counted() {
 #[tokio::test(flavor = "current_thread")]
 async fn requests_posted_together_share_send_calls() {
     const N: u64 = 64;
-    let dev = Arc::new(
-        SoftRoce::new(SoftConfig {
-            port: 0,
-            ..SoftConfig::default()
-        })
-        .unwrap(),
-    );
-    let p = Suite::new(
-        Arc::new(RdmaTransport::with_provider(dev.clone())),
-        "127.0.0.1:0",
-    )
-    .pair()
-    .await;
+    let (dev, p) = soft_pair().await;
     let c = &p.client;
     let mr = p.server_opts.domain.register(8 * N as usize, Access::ALL);
     let before = dev.stats();
@@ -120,19 +114,7 @@ async fn requests_posted_together_share_send_calls() {
 /// cover the responder too: its ACK is sent only once the thread runs.
 #[tokio::test(flavor = "current_thread")]
 async fn a_held_up_requester_takes_waiting_answers_before_its_timer_fires() {
-    let dev = Arc::new(
-        SoftRoce::new(SoftConfig {
-            port: 0,
-            ..SoftConfig::default()
-        })
-        .unwrap(),
-    );
-    let p = Suite::new(
-        Arc::new(RdmaTransport::with_provider(dev.clone())),
-        "127.0.0.1:0",
-    )
-    .pair()
-    .await;
+    let (_dev, p) = soft_pair().await;
     let c = &p.client;
     let mr = p.server_opts.domain.register(4096, Access::ALL);
     let before = c.stats();

@@ -1447,6 +1447,62 @@ fn an_out_of_order_packet_kept_does_not_hold_the_receive_buffer() {
     assert!(mem.read(W_KEY, W_VA, 512).unwrap()[..] == data[..]);
 }
 
+/// Selective repeat: a hole that opens while an earlier one is already
+/// NAKed (the requester's burst goes on behind the first loss) is named at
+/// once, with a selective NAK per missing PSN, not only after the first
+/// hole fills; one named before is not named again; the write lands whole
+/// once every hole is filled.
+#[test]
+fn a_hole_opening_behind_a_named_one_is_named_at_once() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    let (mut b, mut mem) = lone_responder(true, 1);
+    let data = pattern(11, 8 * 256);
+    let write = |psn: u32| {
+        let k = (psn - 100) as usize;
+        let op = match k {
+            0 => Opcode::RDMA_WRITE_FIRST,
+            7 => Opcode::RDMA_WRITE_LAST,
+            _ => Opcode::RDMA_WRITE_MIDDLE,
+        };
+        let mut p = Packet::new(Bth::new(op, 0x22, psn));
+        if k == 0 {
+            p.reth = Some(Reth {
+                va: W_VA,
+                rkey: W_KEY,
+                dma_len: 8 * 256,
+            });
+        }
+        p.payload = Bytes::copy_from_slice(&data[k * 256..k * 256 + 256]);
+        p.finish();
+        p
+    };
+    // What the responder sends after each packet: (syndrome, PSN).
+    let said = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(u8, u32)> {
+        std::iter::from_fn(|| b.poll_transmit(now))
+            .map(|p| (p.aeth.expect("an ACK or NAK").syndrome, p.bth.psn))
+            .collect()
+    };
+    b.handle_packet(0, &write(100), false, &mut mem);
+    let _ = said(&mut b, 0);
+    // 101 lost: the first NAK (sequence error at the expected PSN).
+    b.handle_packet(1, &write(102), false, &mut mem);
+    assert_eq!(said(&mut b, 1), vec![(0x60, 101)]);
+    b.handle_packet(2, &write(103), false, &mut mem);
+    assert_eq!(said(&mut b, 2), vec![], "nothing new is missing");
+    // 104 and 105 lost while 101 still is: both named now.
+    b.handle_packet(3, &write(106), false, &mut mem);
+    assert_eq!(said(&mut b, 3), vec![(0x7F, 104), (0x7F, 105)]);
+    b.handle_packet(4, &write(107), false, &mut mem);
+    assert_eq!(said(&mut b, 4), vec![], "a hole is named once");
+    // The resends fill the holes; the write lands whole.
+    for (t, psn) in [(5, 101), (6, 104), (7, 105)] {
+        b.handle_packet(t, &write(psn), false, &mut mem);
+    }
+    use rdmx_roce_proto::Memory;
+    assert!(mem.read(W_KEY, W_VA, 8 * 256).unwrap()[..] == data[..]);
+    assert_eq!(b.expected_psn(), 108);
+}
+
 /// max_rd_atomic: at most that many READs are in flight, counted from the
 /// oldest unfinished one; one that finished frees its slot at once, whether
 /// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the

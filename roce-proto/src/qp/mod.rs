@@ -488,6 +488,9 @@ pub struct Qp {
     /// Selective repeat: packets that arrived ahead of ePSN, executed in order
     /// once the gap fills.
     ooo: std::collections::BTreeMap<u32, Packet>,
+    /// The PSN just past the highest one `ooo` holds (a READ request
+    /// holds its responses' PSNs); meaningful while `ooo` is not empty.
+    ooo_end: u32,
     resources: VecDeque<Resource>,
     /// The newest PSN a plain ACK may name: the last SEND or WRITE packet
     /// executed. A READ's or atomic's PSNs are answered by their responses
@@ -576,6 +579,7 @@ impl Qp {
             nak_sent: false,
             since_nak: 0,
             ooo: std::collections::BTreeMap::new(),
+            ooo_end: 0,
             resources: VecDeque::new(),
             pending_ack: None,
             resp_tx: VecDeque::new(),

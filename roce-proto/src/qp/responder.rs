@@ -65,8 +65,21 @@ impl Qp {
                 // whole buffer for as long as the gap lasts.
                 let mut kept = pkt.clone();
                 kept.payload = Bytes::copy_from_slice(&pkt.payload);
+                let had_kept = !self.ooo.is_empty();
+                let end = psn::add(pkt.bth.psn, self.kept_span(pkt));
                 if self.ooo.insert(pkt.bth.psn, kept).is_none() {
                     self.stats.out_of_order_kept += 1;
+                }
+                // A hole above those already named (the requester's burst
+                // goes on after the first NAK): name it now, so that its
+                // resend can go during the burst instead of one more round
+                // trip after the first hole fills, as IRN NACKs each
+                // out-of-order arrival.
+                if self.nak_sent && had_kept {
+                    self.nak_new_holes(pkt.bth.psn, 32);
+                }
+                if !had_kept || psn::diff(end, self.ooo_end) > 0 {
+                    self.ooo_end = end;
                 }
                 // The gap persists while packets keep coming: say so again
                 // every 16 of them, in case the NAK or the resent packet was

@@ -471,6 +471,34 @@ impl Qp {
         true
     }
 
+    /// PSNs a packet kept out of order occupies: one, or a READ request's
+    /// response packets.
+    pub(super) fn kept_span(&self, p: &Packet) -> u32 {
+        match (p.bth.opcode, p.reth) {
+            (Opcode::RDMA_READ_REQUEST, Some(r)) => u64::from(r.dma_len)
+                .div_ceil(u64::from(self.cfg.pmtu))
+                .max(1) as u32,
+            _ => 1,
+        }
+    }
+
+    /// Selective repeat, a packet at `psn` kept while a gap is open: name
+    /// with the rdmx selective NAK each PSN between the highest one kept
+    /// before it and `psn` (up to `max_holes`): holes that opened after the
+    /// first NAK.
+    pub(super) fn nak_new_holes(&mut self, psn: u32, max_holes: u32) {
+        let from = self.ooo_end;
+        let n = psn::diff(psn, from);
+        if n <= 0 || psn::diff(from, self.epsn) <= 0 {
+            return;
+        }
+        for k in 0..(n as u32).min(max_holes) {
+            self.stats.naks_sent += 1;
+            let hole = self.ack_packet(psn::add(from, k), 0x60 | SR_HOLE);
+            self.resp_tx.push_back(hole);
+        }
+    }
+
     /// NAK the first missing PSN (standard sequence-error NAK, which also
     /// acknowledges everything before it). With selective repeat, also name
     /// further missing PSNs (up to `max_holes`) below the highest one kept, with the rdmx
@@ -483,21 +511,12 @@ impl Qp {
             return;
         }
         let epsn = self.epsn;
-        let pmtu = u64::from(self.cfg.pmtu);
         // Kept packets in PSN order, each with the PSNs it occupies (a READ
         // request one per response packet).
         let mut kept: Vec<(i32, u32)> = self
             .ooo
             .values()
-            .map(|p| {
-                let span = match (p.bth.opcode, p.reth) {
-                    (Opcode::RDMA_READ_REQUEST, Some(r)) => {
-                        u64::from(r.dma_len).div_ceil(pmtu).max(1) as u32
-                    }
-                    _ => 1,
-                };
-                (psn::diff(p.bth.psn, epsn), span)
-            })
+            .map(|p| (psn::diff(p.bth.psn, epsn), self.kept_span(p)))
             .collect();
         kept.sort_unstable();
         let mut next = 1i32; // epsn itself was NAKed above

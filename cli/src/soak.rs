@@ -95,6 +95,9 @@ pub(crate) struct RdmaCounters {
     rnr_naks: u64,
     cnps: u64,
     ce_marked: u64,
+    /// Datagrams this end's send bursts took from its receive queues (soft
+    /// RoCE: it listens while sending after the peer reported a loss).
+    rx_while_sending: u64,
 }
 
 impl SoakReport {
@@ -121,14 +124,15 @@ impl SoakReport {
         );
         if let Some(r) = &self.rdma {
             print!(
-                "; retransmits {} ({} timer expiries, {} tail probes), NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}",
+                "; retransmits {} ({} timer expiries, {} tail probes), NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}, taken while sending {}",
                 r.retransmits,
                 r.retransmit_timeouts,
                 r.tail_probes,
                 r.naks,
                 r.rnr_naks,
                 r.cnps,
-                r.ce_marked
+                r.ce_marked,
+                r.rx_while_sending
             );
         }
         println!();
@@ -237,10 +241,12 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
                 .as_deref()
                 .ok_or_else(|| Error::InvalidArgument("client needs a URL".into()))?;
             let conn = ts.connect(url, &opts).await?;
-            let before = dev.as_ref().map_or(0, |d| d.stats().ce_marked);
+            let before = dev.as_ref().map(|d| d.stats());
             let mut report = client(&conn, total, chunk).await?;
-            if let (Some(d), Some(r)) = (&dev, report.rdma.as_mut()) {
-                r.ce_marked = d.stats().ce_marked - before;
+            if let (Some(d), Some(b), Some(r)) = (&dev, before, report.rdma.as_mut()) {
+                let after = d.stats();
+                r.ce_marked = after.ce_marked - b.ce_marked;
+                r.rx_while_sending = after.rx_while_sending - b.rx_while_sending;
             }
             report.print(a.json);
             match report.error {
@@ -311,6 +317,7 @@ async fn client(conn: &Connection, total: u64, chunk: u64) -> Result<SoakReport,
         rnr_naks: after.rnr_naks - before.rnr_naks,
         cnps: after.cnps - before.cnps,
         ce_marked: 0,
+        rx_while_sending: 0,
     });
     Ok(SoakReport {
         transport: conn.transport().to_string(),

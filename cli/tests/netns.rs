@@ -214,6 +214,11 @@ fn soft_roce_survives_packet_loss() {
         // (a lost last packet or ACK each time), none under go-back-N.
         let probes = r["rdma"]["tail_probes"].as_u64().unwrap();
         assert_eq!(probes > 0, !gbn, "{r}");
+        // After the server's NAKs the client's bursts listen between their
+        // sends (its NAKs name holes while the burst goes on). Go-back-N's
+        // congestion window keeps its bursts short, mostly to one send.
+        let listened = r["rdma"]["rx_while_sending"].as_u64().unwrap();
+        assert!(gbn || listened > 0, "{r}");
         let mode = if gbn { "go-back-N" } else { "selective repeat" };
         assert!(r["provider"].as_str().unwrap().contains(mode), "{r}");
     }

@@ -1503,6 +1503,90 @@ fn a_hole_opening_behind_a_named_one_is_named_at_once() {
     assert_eq!(b.expected_psn(), 108);
 }
 
+/// With `ack_hold_ns`, a responder whose application answers what it
+/// receives sends the next ACK right behind the answer (one batch) instead
+/// of alone before it; an answer that does not come within the hold lets
+/// the ACK go at the timer and ends the waiting; a receiver that never
+/// answers never holds an ACK.
+#[test]
+fn acks_wait_for_the_answer_of_an_answering_responder() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, WorkRequest};
+    const HOLD: u64 = 50_000;
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat: true,
+        dcqcn: None,
+        ack_hold_ns: HOLD,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    let send = |psn: u32| {
+        let mut p = Packet::new(Bth::new(Opcode::SEND_ONLY, 0x22, psn));
+        p.bth.ack_req = true;
+        p.payload = Bytes::from_static(b"ping");
+        p.finish();
+        p
+    };
+    let answer = |b: &mut rdmx_roce_proto::Qp, id: u64| {
+        b.post_send(
+            id,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"pong"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    };
+    // What leaves at `now`: (opcode, PSN).
+    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
+        std::iter::from_fn(|| b.poll_transmit(now))
+            .map(|p| (p.bth.opcode, p.bth.psn))
+            .collect()
+    };
+    for i in 0..4 {
+        b.post_recv(i, 64).unwrap();
+    }
+    // 1: not yet known to answer: the ACK leaves at once; the answer
+    // comes 10 µs later.
+    b.handle_packet(0, &send(100), false, &mut mem);
+    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    assert!(!b.answering());
+    answer(&mut b, 1);
+    assert_eq!(out(&mut b, 10_000), vec![(Opcode::SEND_ONLY, 500)]);
+    assert!(b.answering());
+    // 2: the ACK waits, then leaves right behind the answer.
+    b.handle_packet(20_000, &send(101), false, &mut mem);
+    assert_eq!(out(&mut b, 20_000), vec![]);
+    assert!(
+        b.poll_timeout().unwrap() <= 20_000 + HOLD,
+        "the hold is timed"
+    );
+    answer(&mut b, 2);
+    assert_eq!(
+        out(&mut b, 30_000),
+        vec![(Opcode::SEND_ONLY, 501), (Opcode::ACKNOWLEDGE, 101)]
+    );
+    assert_eq!(b.stats().acks_with_answer, 1);
+    // 3: no answer within the hold: the timer lets the ACK go, and the
+    // next one does not wait.
+    b.handle_packet(40_000, &send(102), false, &mut mem);
+    assert_eq!(out(&mut b, 40_000 + HOLD - 1), vec![]);
+    b.handle_timeout(40_000 + HOLD);
+    assert_eq!(out(&mut b, 40_000 + HOLD), vec![(Opcode::ACKNOWLEDGE, 102)]);
+    assert!(!b.answering());
+    b.handle_packet(100_000, &send(103), false, &mut mem);
+    assert_eq!(out(&mut b, 100_000), vec![(Opcode::ACKNOWLEDGE, 103)]);
+    // Every message delivered, in order.
+    let got: Vec<u64> = std::iter::from_fn(|| b.poll_completion())
+        .filter(|c| c.opcode == rdmx_roce_proto::WcOpcode::Recv)
+        .map(|c| c.wr_id)
+        .collect();
+    assert_eq!(got, vec![0, 1, 2, 3]);
+}
+
 /// max_rd_atomic: at most that many READs are in flight, counted from the
 /// oldest unfinished one; one that finished frees its slot at once, whether
 /// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the

@@ -11,6 +11,11 @@ use rdmx_core::Access;
 use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
+/// Held by the tests that time the device (a held-up thread, a stream of
+/// bursts), so that they do not run beside each other: a 128 MiB stream on
+/// the two cores delayed the loopback delivery the other one waits for.
+static TIMED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A soft device on a free port, and a connected pair over it.
 async fn soft_pair() -> (Arc<SoftRoce>, Pair) {
     let dev = Arc::new(
@@ -114,6 +119,7 @@ async fn requests_posted_together_share_send_calls() {
 /// cover the responder too: its ACK is sent only once the thread runs.
 #[tokio::test(flavor = "current_thread")]
 async fn a_held_up_requester_takes_waiting_answers_before_its_timer_fires() {
+    let _timed = TIMED.lock().await;
     let (_dev, p) = soft_pair().await;
     let c = &p.client;
     let mr = p.server_opts.domain.register(4096, Access::ALL);
@@ -143,6 +149,7 @@ async fn a_held_up_requester_takes_waiting_answers_before_its_timer_fires() {
 /// firing for nothing on a busy machine (they do, here) are no loss.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_without_losses_leaves_receiving_to_the_receive_task() {
+    let _timed = TIMED.lock().await;
     let (dev, p) = soft_pair().await;
     let c = &p.client;
     const MIB: usize = 1 << 20;

@@ -71,6 +71,12 @@ pub struct QpConfig {
     pub dcqcn: Option<DcqcnConfig>,
     /// Selective repeat instead of go-back-N (rdmx peers only; see [`Qp::set_selective_repeat`]).
     pub selective_repeat: bool,
+    /// How long the ACK of a delivered message may wait for the answer the
+    /// application sends back, to leave with it (0: never waits). It waits
+    /// only while this end answers what it receives (see [`Qp::answering`]).
+    /// IBTA lets a responder coalesce ACKs (9.7.5.1.3); this bound stays far
+    /// below any requester's ACK timeout.
+    pub ack_hold_ns: u64,
 }
 
 impl Default for QpConfig {
@@ -86,6 +92,7 @@ impl Default for QpConfig {
             ack_every: 64,
             dcqcn: Some(DcqcnConfig::default()),
             selective_repeat: false,
+            ack_hold_ns: 0,
         }
     }
 }
@@ -275,6 +282,9 @@ pub struct QpStats {
     /// packet sent resent after the responder fell silent (see
     /// `Qp::recheck_write_tail`; READ re-asks count as retransmits).
     pub tail_probes: u64,
+    /// ACKs that waited for the application's answer and left right behind
+    /// it (see [`QpConfig::ack_hold_ns`]).
+    pub acks_with_answer: u64,
 }
 
 // ------------------------------------------------------------------ requester
@@ -487,6 +497,16 @@ pub struct Qp {
     since_nak: u32,
     /// Selective repeat: packets that arrived ahead of ePSN, executed in order
     /// once the gap fills.
+    /// The responder delivered a message to a receive during the packet
+    /// being handled (set by `recv_send`, taken by `handle_packet`).
+    delivered: bool,
+    /// When a message was last delivered to a receive.
+    delivered_at: Option<u64>,
+    /// This end sent a new request soon after a delivery the last time it
+    /// could: it answers what it receives, so ACKs wait for the answers.
+    answering: bool,
+    /// A coalesced ACK waits for a request to leave with, until then.
+    ack_hold_until: Option<u64>,
     ooo: std::collections::BTreeMap<u32, Packet>,
     /// The PSN just past the highest one `ooo` holds (a READ request
     /// holds its responses' PSNs); meaningful while `ooo` is not empty.
@@ -578,6 +598,10 @@ impl Qp {
             open: None,
             nak_sent: false,
             since_nak: 0,
+            delivered: false,
+            delivered_at: None,
+            answering: false,
+            ack_hold_until: None,
             ooo: std::collections::BTreeMap::new(),
             ooo_end: 0,
             resources: VecDeque::new(),
@@ -804,6 +828,16 @@ impl Qp {
     }
     /// When [`Qp::handle_timeout`] should be called next.
     pub fn poll_timeout(&self) -> Option<u64> {
+        let hold = self.ack_hold_until.filter(|_| self.pending_ack.is_some());
+        [self.poll_timeout_urgent(), hold]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// [`Qp::poll_timeout`] without a held ACK's release: a timer that
+    /// runs late for that only delays an ACK the peer's timers allow for.
+    pub fn poll_timeout_urgent(&self) -> Option<u64> {
         let pace = self.pace_blocked.then_some(self.next_send_at);
         let due = self.retx_due.iter().map(|&(_, _, due)| due).min();
         [
@@ -823,25 +857,58 @@ impl Qp {
             return None;
         }
         if let Some(p) = self.resp_tx.pop_front() {
+            // A held ACK leaves behind the responses.
+            self.ack_hold_until = None;
             self.stats.packets_sent += 1;
             return Some(p);
         }
         if self.state == QpState::Error {
             return None;
         }
+        if self.pending_ack.is_some() && self.ack_hold_until.is_some_and(|t| now < t) {
+            // Held for the application's answer: it leaves first, then the
+            // ACK right behind it, in the same batch.
+            let p = self.next_request_counted(now)?;
+            self.ack_hold_until = None;
+            self.stats.acks_with_answer += 1;
+            return Some(p);
+        }
         if let Some(psn) = self.pending_ack.take() {
+            self.ack_hold_until = None;
             self.stats.packets_sent += 1;
             return Some(self.ack_packet(psn, 0x1F));
         }
+        self.next_request_counted(now)
+    }
+
+    fn next_request_counted(&mut self, now: u64) -> Option<Packet> {
         if self.state != QpState::Rts {
             return None;
         }
+        let new_request = self
+            .sq
+            .get(self.tx_wqe)
+            .is_some_and(|w| self.tx_pkt == 0 && w.sent_upto == 0);
         let p = self.next_request(now)?;
         self.stats.packets_sent += 1;
         if self.retry_deadline.is_none() {
             self.retry_deadline = self.rto_ns().map(|t| now + t);
         }
+        // A new request soon after a delivery: the application answers.
+        if new_request {
+            if let Some(at) = self.delivered_at.take() {
+                self.answering =
+                    self.cfg.ack_hold_ns > 0 && now.saturating_sub(at) < self.cfg.ack_hold_ns;
+            }
+        }
         Some(p)
+    }
+
+    /// Whether ACKs of delivered messages wait for the answer this end
+    /// sends back (it answered the last delivery within
+    /// [`QpConfig::ack_hold_ns`]; a hold that ran out ends it).
+    pub fn answering(&self) -> bool {
+        self.answering
     }
     /// Whether a coalesced ACK waits to be sent.
     pub fn ack_pending(&self) -> bool {
@@ -872,12 +939,24 @@ impl Qp {
         }
         if pkt.bth.opcode.is_request() {
             self.responder(pkt, mem);
+            if std::mem::take(&mut self.delivered) {
+                self.delivered_at = Some(now);
+                if self.answering && self.pending_ack.is_some() && self.ack_hold_until.is_none() {
+                    self.ack_hold_until = Some(now.saturating_add(self.cfg.ack_hold_ns));
+                }
+            }
         } else if self.state == QpState::Rts {
             self.completer(now, pkt);
         }
     }
     /// Handle expired timers.
     pub fn handle_timeout(&mut self, now: u64) {
+        if self.ack_hold_until.is_some_and(|t| now >= t) {
+            // No answer came in time: the ACK goes alone, and the next
+            // ones do not wait until this end answers again.
+            self.ack_hold_until = None;
+            self.answering = false;
+        }
         self.promote_due_resends(now);
         self.recheck_read(now);
         self.recheck_write_tail(now);

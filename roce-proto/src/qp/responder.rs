@@ -222,6 +222,7 @@ impl Qp {
             c.imm = pkt.imm;
             c.invalidate = pkt.ieth;
             self.completions.push_back(c);
+            self.delivered = true;
         }
         self.accepted(pkt, ends);
     }

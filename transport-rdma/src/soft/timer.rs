@@ -34,6 +34,24 @@ impl TimerTarget {
         deadline < self.0.fetch_min(deadline, SeqCst)
     }
 
+    /// A QP's deadline became `deadline`, of which only `urgent` must be
+    /// kept (a held ACK's release may wait for the next pass the task makes
+    /// anyway, as long as there is one: a task sleeping with no target is
+    /// woken for it). Returns whether the timer task must be woken.
+    pub(crate) fn lower_lazily(&self, deadline: u64, urgent: u64) -> bool {
+        if urgent <= deadline {
+            return self.lower(deadline);
+        }
+        if self.lower(urgent) {
+            return true;
+        }
+        // The task sleeps to a target (it will scan, and see `deadline`),
+        // or to none: then it must hear of this one.
+        self.0
+            .compare_exchange(u64::MAX, deadline, SeqCst, SeqCst)
+            .is_ok()
+    }
+
     /// The timer task starts a scan of the QPs' deadlines.
     pub(crate) fn begin_scan(&self) {
         self.0.store(u64::MAX, SeqCst);

@@ -495,8 +495,6 @@ pub struct Qp {
     nak_sent: bool,
     /// Selective repeat: packets kept out of order since the last NAK.
     since_nak: u32,
-    /// Selective repeat: packets that arrived ahead of ePSN, executed in order
-    /// once the gap fills.
     /// The responder delivered a message to a receive during the packet
     /// being handled (set by `recv_send`, taken by `handle_packet`).
     delivered: bool,
@@ -507,6 +505,8 @@ pub struct Qp {
     answering: bool,
     /// A coalesced ACK waits for a request to leave with, until then.
     ack_hold_until: Option<u64>,
+    /// Selective repeat: packets that arrived ahead of ePSN, executed in order
+    /// once the gap fills.
     ooo: std::collections::BTreeMap<u32, Packet>,
     /// The PSN just past the highest one `ooo` holds (a READ request
     /// holds its responses' PSNs); meaningful while `ooo` is not empty.

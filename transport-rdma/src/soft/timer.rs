@@ -88,6 +88,23 @@ mod tests {
         );
     }
 
+    /// A held ACK's release (`deadline`, before the QP's `urgent` one)
+    /// wakes the task only when it sleeps with no target at all; an urgent
+    /// deadline before the target still wakes it.
+    #[test]
+    fn a_lazy_deadline_wakes_only_a_task_with_no_target() {
+        let t = TimerTarget::new();
+        t.begin_scan();
+        assert_eq!(t.end_scan(u64::MAX), u64::MAX);
+        assert!(t.lower_lazily(300, u64::MAX), "no target: woken");
+        assert!(!t.lower_lazily(200, u64::MAX), "a target: the pass sees it");
+        assert!(!t.lower_lazily(250, 900), "urgent after the target");
+        assert!(t.lower_lazily(100, 150), "urgent before the target");
+        t.begin_scan();
+        assert_eq!(t.end_scan(u64::MAX), u64::MAX);
+        assert!(t.lower_lazily(500, 500), "no hold: as lower()");
+    }
+
     #[test]
     fn later_deadlines_do_not_wake_and_earlier_ones_do() {
         let t = TimerTarget::new();

@@ -1640,8 +1640,9 @@ fn receive_batch(
 /// unread when its timer task runs next; without this the retransmission
 /// timer or a tail probe fired on a peer that had answered, and a lossless
 /// 256 MiB soak resent about 80 operations' first packets for nothing. The
-/// socket is read until empty (what the packets taken cause to be sent on a
-/// loopback path is back in it at once), up to [`DRAIN_BATCHES`] calls.
+/// sockets are read until a pass over all of them finds nothing (what the
+/// packets taken cause to be sent on a loopback path is back in one of them
+/// at once, possibly one already read), up to [`DRAIN_BATCHES`] calls.
 ///
 /// A queue its receive task is working on is waited for, not skipped: on
 /// two busy cores that task can lose its core in the middle of a batch,
@@ -1651,19 +1652,30 @@ fn receive_batch(
 /// expiries, with the wait 0-8). The timer task holds no lock while it
 /// waits.
 fn drain_before_timers(d: &Arc<Device>) {
-    for rx in &d.rx {
-        let mut w = rx.work.lock();
-        for _ in 0..DRAIN_BATCHES {
-            let r = receive_batch(d, rx, &mut w, None);
-            if !matches!(r, Ok(n) if n > 0) {
-                break;
+    let mut calls = 0;
+    // Whole passes over the queues until one in which nobody (this task, or a
+    // receive task it waited for) took a packet: what a packet taken from one
+    // queue causes to be sent (a loopback peer's ACK) can land in a queue the
+    // pass has already emptied.
+    while calls < DRAIN_BATCHES {
+        let seen = d.counters.rx_packets.load(Ordering::SeqCst);
+        for rx in &d.rx {
+            let mut w = rx.work.lock();
+            while calls < DRAIN_BATCHES {
+                calls += 1;
+                if !matches!(receive_batch(d, rx, &mut w, None), Ok(n) if n > 0) {
+                    break;
+                }
             }
+        }
+        if d.counters.rx_packets.load(Ordering::SeqCst) == seen {
+            break;
         }
     }
 }
 
-/// Receive calls a timer pass makes at most per queue before it fires.
-const DRAIN_BATCHES: usize = 16;
+/// Receive calls a timer pass makes at most (over all queues) before it fires.
+const DRAIN_BATCHES: usize = 32;
 
 fn handle_datagram(
     d: &Arc<Device>,

@@ -1587,6 +1587,65 @@ fn acks_wait_for_the_answer_of_an_answering_responder() {
     assert_eq!(got, vec![0, 1, 2, 3]);
 }
 
+/// A held ACK released early (its receive pass is over and no answer came)
+/// leaves at once, and the responder still counts as answering: the next
+/// delivery's ACK waits again.
+#[test]
+fn a_released_ack_leaves_and_the_next_one_waits_again() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet};
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat: true,
+        dcqcn: None,
+        ack_hold_ns: 100_000,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    let send = |psn: u32| {
+        let mut p = Packet::new(Bth::new(Opcode::SEND_ONLY, 0x22, psn));
+        p.bth.ack_req = true;
+        p.payload = Bytes::from_static(b"ping");
+        p.finish();
+        p
+    };
+    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
+        std::iter::from_fn(|| b.poll_transmit(now))
+            .map(|p| (p.bth.opcode, p.bth.psn))
+            .collect()
+    };
+    for i in 0..3 {
+        b.post_recv(i, 64).unwrap();
+    }
+    // Learn that this end answers.
+    b.handle_packet(0, &send(100), false, &mut mem);
+    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    b.post_send(
+        9,
+        WorkRequest::Send {
+            data: Bytes::from_static(b"pong"),
+            imm: None,
+            invalidate: None,
+        },
+    )
+    .unwrap();
+    assert_eq!(out(&mut b, 5_000), vec![(Opcode::SEND_ONLY, 500)]);
+    // Held, then released before the hold runs out.
+    b.handle_packet(10_000, &send(101), false, &mut mem);
+    assert!(b.ack_held());
+    assert_eq!(out(&mut b, 10_000), vec![]);
+    b.release_ack();
+    assert!(!b.ack_held());
+    assert_eq!(out(&mut b, 11_000), vec![(Opcode::ACKNOWLEDGE, 101)]);
+    assert!(b.answering());
+    // The next delivery waits again.
+    b.handle_packet(20_000, &send(102), false, &mut mem);
+    assert!(b.ack_held());
+    assert_eq!(out(&mut b, 20_000), vec![]);
+    assert_eq!(b.stats().acks_with_answer, 0);
+}
+
 /// max_rd_atomic: at most that many READs are in flight, counted from the
 /// oldest unfinished one; one that finished frees its slot at once, whether
 /// or not its completion has been polled yet (IBTA 9.5, o9-21 limits the

@@ -5,6 +5,7 @@
 use std::future::IntoFuture;
 use std::net::UdpSocket;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rdmx_conformance::{Pair, Suite};
 use rdmx_core::Access;
@@ -177,4 +178,93 @@ async fn a_burst_without_losses_leaves_receiving_to_the_receive_task() {
     let (after, c1) = (dev.stats(), c.stats());
     assert_eq!(c1.naks, c0.naks, "a loss on loopback: {c1:?}");
     assert_eq!(after.rx_while_sending, before.rx_while_sending, "{after:?}");
+}
+
+/// Ping-pong of small sends: each end answers what it receives, so the ACK
+/// of a delivered message waits for the answer and leaves right behind it in
+/// the same send call. Two send calls per round trip (the request with the
+/// ACK of the last answer, the answer with the ACK of the request) instead
+/// of four, which is what the same ping-pong costs with the hold off; every
+/// message arrives exact and in order either way. Returns send calls per
+/// round trip.
+async fn ping_pong_send_calls(flavor: &str, hold: Duration) -> f64 {
+    const N: u64 = 300;
+    let dev = Arc::new(
+        SoftRoce::new(SoftConfig {
+            port: 0,
+            ack_hold: hold,
+            ..SoftConfig::default()
+        })
+        .unwrap(),
+    );
+    let p = Suite::new(
+        Arc::new(RdmaTransport::with_provider(dev.clone())),
+        "127.0.0.1:0",
+    )
+    .pair()
+    .await;
+    let server = p.server.clone();
+    let echo = tokio::spawn(async move {
+        for _ in 0..N {
+            let m = server.recv_message().await.unwrap();
+            server.send(m).await.unwrap();
+        }
+    });
+    let c = &p.client;
+    // Warm up: both ends learn that the other answers.
+    for i in 0..10u64 {
+        c.send(i.to_le_bytes().to_vec()).await.unwrap();
+        assert_eq!(c.recv_message().await.unwrap()[..], i.to_le_bytes());
+    }
+    let before = dev.stats();
+    for i in 10..N {
+        let msg = rdmx_conformance::pattern(i, 8 + i as usize % 24);
+        c.send(msg.clone()).await.unwrap();
+        assert_eq!(c.recv_message().await.unwrap()[..], msg[..], "message {i}");
+    }
+    echo.await.unwrap();
+    let after = dev.stats();
+    let rounds = N - 10;
+    let calls = after.tx_calls - before.tx_calls;
+    let packets = after.tx_packets - before.tx_packets;
+    eprintln!(
+        "{flavor}, hold {hold:?}: {rounds} round trips: {packets} packets in {calls} send calls; \
+         ACKs held {}, released alone {}",
+        after.acks_held - before.acks_held,
+        after.acks_released - before.acks_released
+    );
+    // Two messages and two ACKs each round trip (a retransmission adds).
+    assert!(packets >= 4 * rounds - 2, "{packets} packets");
+    if hold.is_zero() {
+        assert_eq!(after.acks_held, before.acks_held);
+    }
+    calls as f64 / rounds as f64
+}
+
+const HOLD: Duration = Duration::from_micros(500);
+
+/// One thread for both ends: every answer is sent in the tick of the
+/// delivery it answers.
+#[tokio::test(flavor = "current_thread")]
+async fn acks_leave_with_the_answer_on_one_thread() {
+    let held = ping_pong_send_calls("current_thread", HOLD).await;
+    let alone = ping_pong_send_calls("current_thread", Duration::ZERO).await;
+    assert!(held <= 2.5, "{held:.2} send calls per round trip");
+    assert!(alone >= 3.5, "{alone:.2} send calls per round trip");
+}
+
+/// Both ends on worker threads (as `rdmx perf` runs them; the test body
+/// itself runs on `block_on`'s thread, which a worker wakes from outside).
+/// Now and then the answer is sent from the other worker after the
+/// receive task let its ACK go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_leave_with_the_answer_on_two_threads() {
+    let held = tokio::spawn(ping_pong_send_calls("multi_thread", HOLD))
+        .await
+        .unwrap();
+    let alone = tokio::spawn(ping_pong_send_calls("multi_thread", Duration::ZERO))
+        .await
+        .unwrap();
+    assert!(held <= 3.0, "{held:.2} send calls per round trip");
+    assert!(alone >= 3.5, "{alone:.2} send calls per round trip");
 }

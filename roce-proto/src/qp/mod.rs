@@ -910,6 +910,19 @@ impl Qp {
     pub fn answering(&self) -> bool {
         self.answering
     }
+    /// Whether a coalesced ACK is held for the application's answer (see
+    /// [`QpConfig::ack_hold_ns`]).
+    pub fn ack_held(&self) -> bool {
+        self.pending_ack.is_some() && self.ack_hold_until.is_some()
+    }
+    /// End the hold of a held ACK now: it leaves with the next
+    /// [`Qp::poll_transmit`]. Unlike a hold that runs out, this does not end
+    /// [`Qp::answering`]: a caller that knows the answer cannot come sooner
+    /// (its receive pass is over) releases early, and the next delivery
+    /// waits again.
+    pub fn release_ack(&mut self) {
+        self.ack_hold_until = None;
+    }
     /// Whether a coalesced ACK waits to be sent.
     pub fn ack_pending(&self) -> bool {
         self.pending_ack.is_some()

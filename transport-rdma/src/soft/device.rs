@@ -109,12 +109,14 @@ pub struct SoftConfig {
     /// Default: on unless `RDMX_SOFT_GATHER=0`.
     pub gathered_sends: bool,
     /// How long the ACK of a delivered message may wait for the answer the
-    /// application sends back, to leave in the same send (0: off; see
-    /// `QpConfig::ack_hold_ns`). Opt-in: loopback 8 B send round trips
-    /// went from 36-46 to 22-28 µs, but pipelined RPC over one QP (tonic,
-    /// 64 calls in flight) at times lost half its rate to the peer's tail
-    /// probes when an answer came late and the ACK with it. Default: off
-    /// unless `RDMX_SOFT_ACK_HOLD_US` gives microseconds.
+    /// application sends back, to leave right behind it in the same send
+    /// (0: never waits; see `QpConfig::ack_hold_ns`). It waits only while
+    /// the application answers what it receives within this time, and in
+    /// practice far less: the receive task that took the message lets a held
+    /// ACK go once its scheduler tick is over (the application it woke runs
+    /// in that tick on the same thread), answered or not. A ping-pong of
+    /// sends then costs two send calls per round trip instead of four.
+    /// Default: 500 µs, or `RDMX_SOFT_ACK_HOLD_US` microseconds.
     pub ack_hold: Duration,
 }
 
@@ -139,7 +141,7 @@ impl Default for SoftConfig {
                 std::env::var("RDMX_SOFT_ACK_HOLD_US")
                     .ok()
                     .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
+                    .unwrap_or(500),
             ),
         }
     }
@@ -160,6 +162,8 @@ struct Counters {
     tx_blocked: AtomicU64,
     tx_calls: AtomicU64,
     rx_while_sending: AtomicU64,
+    acks_held: AtomicU64,
+    acks_released: AtomicU64,
 }
 
 /// A snapshot of a soft device's counters.
@@ -190,6 +194,12 @@ pub struct DeviceStats {
     /// Datagrams a QP's send burst took from the receive queues between
     /// its sends (it does so for a while after the peer reported a loss).
     pub rx_while_sending: u64,
+    /// ACKs a receive task held for the application's answer (see
+    /// [`SoftConfig::ack_hold`]).
+    pub acks_held: u64,
+    /// Of those, ACKs that had no answer to go with when the receive
+    /// task's tick was over, and left alone.
+    pub acks_released: u64,
 }
 
 struct Capture {
@@ -340,6 +350,10 @@ struct RxWork {
     metas: Vec<RecvMeta>,
     solver: Ipv4IdSolver,
     touched: Vec<Arc<SoftQp>>,
+    /// QPs whose ACK this pass held for the application's answer (receive
+    /// task only; released when its scheduler tick is over, see
+    /// [`rx_loop`]).
+    held: Vec<Arc<SoftQp>>,
 }
 
 impl RxWork {
@@ -349,8 +363,24 @@ impl RxWork {
             metas: vec![RecvMeta::default(); RX_BATCH],
             solver: Ipv4IdSolver::new(),
             touched: Vec::new(),
+            held: Vec::new(),
         }
     }
+}
+
+/// Who takes a receive batch, and so what becomes of an ACK the engine holds
+/// for the application's answer (`QpConfig::ack_hold_ns`).
+#[derive(Clone, Copy)]
+enum Taker<'a> {
+    /// The queue's receive task: the QP is pumped inline, a held ACK stays
+    /// held until the task's scheduler tick is over (`RxWork::held`).
+    Task,
+    /// The timer task before it fires: pumped inline, nothing held.
+    Timer,
+    /// A QP's own burst ([`SoftQp::listen_while_sending`]): that QP sends on
+    /// (and publishes) itself; others are pumped as a post would pump them.
+    /// Nothing is held.
+    Burst(&'a Arc<SoftQp>),
 }
 
 impl SoftRoce {
@@ -457,6 +487,8 @@ impl SoftRoce {
             tx_blocked: l(&c.tx_blocked),
             tx_calls: l(&c.tx_calls),
             rx_while_sending: l(&c.rx_while_sending),
+            acks_held: l(&c.acks_held),
+            acks_released: l(&c.acks_released),
         }
     }
 
@@ -951,25 +983,42 @@ impl SoftQp {
     /// Move the engine forward: send what it has (in order, under the lock),
     /// hand completions to the CQ, re-arm the timer.
     fn pump(self: &Arc<Self>) {
-        self.pump_for(false);
+        self.pump_for(false, false);
     }
 
     /// [`SoftQp::pump`] from the device's own tasks (packets received,
     /// timers), which hold no lock of the connection's: the connection takes
     /// its completions right here instead of in a task of its own.
     fn pump_inline(self: &Arc<Self>) {
-        self.pump_for(true);
+        self.pump_for(true, false);
         self.cq.run_handler();
     }
 
-    fn pump_for(self: &Arc<Self>, handler_follows: bool) {
+    /// [`SoftQp::pump_inline`] from a receive task, which releases an ACK
+    /// the engine holds for the application's answer only once its tick is
+    /// over. Returns whether one is held.
+    fn pump_inline_holding(self: &Arc<Self>) -> bool {
+        let held = self.pump_for(true, true);
+        self.cq.run_handler();
+        held
+    }
+
+    /// Pump; unless `keep_held`, an ACK held for the application's answer
+    /// leaves now, behind whatever else goes (with a backlog, the flusher
+    /// sends it). Returns whether one is still held.
+    fn pump_for(self: &Arc<Self>, handler_follows: bool, keep_held: bool) -> bool {
         let mut g = self.inner.lock();
         self.publish(&mut g, handler_follows);
         if g.backlog.is_empty() {
-            self.transmit(&mut g, handler_follows);
+            if keep_held {
+                self.transmit(&mut g, handler_follows);
+            } else {
+                self.transmit_releasing(&mut g, handler_follows);
+            }
         }
         self.update_deadline(&g);
         self.count(g.qp.stats());
+        g.qp.ack_held()
     }
 
     /// Hand the engine's completions to the CQ, then its counters to the
@@ -1010,6 +1059,17 @@ impl SoftQp {
             qp.pump_due.store(false, Ordering::Release);
             qp.pump();
         });
+    }
+
+    /// [`SoftQp::transmit`], then an ACK still held for the application's
+    /// answer, alone: a held ACK leaves behind anything sent with it (its
+    /// answer), never before.
+    fn transmit_releasing(self: &Arc<Self>, g: &mut MutexGuard<'_, Inner>, handler_follows: bool) {
+        self.transmit(g, handler_follows);
+        if g.qp.ack_held() && g.backlog.is_empty() {
+            g.qp.release_ack();
+            self.transmit(g, handler_follows);
+        }
     }
 
     fn transmit(self: &Arc<Self>, g: &mut MutexGuard<'_, Inner>, handler_follows: bool) {
@@ -1133,7 +1193,7 @@ impl SoftQp {
                 // A queue its receive task is working on: that task takes
                 // this QP's lock next (given to it fairly here).
                 if let Some(mut w) = rx.work.try_lock() {
-                    if let Ok(n) = receive_batch(&self.dev, rx, &mut w, Some(self)) {
+                    if let Ok(n) = receive_batch(&self.dev, rx, &mut w, Taker::Burst(self)) {
                         took += n;
                     }
                 }
@@ -1292,7 +1352,7 @@ impl SoftQp {
                 }
                 if inner.backlog.is_empty() {
                     inner.flushing = false;
-                    qp.transmit(&mut g, false);
+                    qp.transmit_releasing(&mut g, false);
                     qp.update_deadline(&g);
                     return;
                 }
@@ -1558,7 +1618,10 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
             return;
         };
         loop {
-            let r = receive_batch(&d, rx, &mut rx.work.lock(), None);
+            let r = receive_batch(&d, rx, &mut rx.work.lock(), Taker::Task);
+            // After every batch, not once the socket is empty: a stream of
+            // full batches would hold the ACKs for as long as it lasts.
+            release_held_acks(rx).await;
             match r {
                 Ok(n) if n == RX_BATCH => {}
                 // A short batch emptied the socket. Readiness is cleared
@@ -1582,6 +1645,36 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
     }
 }
 
+/// The ACKs this receive task held for the applications' answers leave
+/// once its scheduler tick is over. An application woken by a delivery runs
+/// on this thread right after this task yields, and what it sends back
+/// carries the ACK behind it in the same GSO send (one `sendmsg`, not two,
+/// and one wake-up of the peer's receiver); one that has not answered by
+/// then gets its ACK now, alone. IBTA lets a responder coalesce ACKs
+/// (9.7.5.1.3); the wait is one tick, far below any ACK timeout.
+async fn release_held_acks(rx: &RxQueue) {
+    let held = std::mem::take(&mut rx.work.lock().held);
+    if held.is_empty() {
+        return;
+    }
+    tokio::task::yield_now().await;
+    for qp in &held {
+        if qp.inner.lock().qp.ack_held() {
+            qp.dev
+                .counters
+                .acks_released
+                .fetch_add(1, Ordering::Relaxed);
+            qp.pump_inline();
+        }
+    }
+    let mut held = held;
+    held.clear();
+    let mut w = rx.work.lock();
+    if w.held.is_empty() {
+        w.held = held;
+    }
+}
+
 /// One receive call on `rx` (up to [`RX_BATCH`] datagrams, GRO runs split),
 /// each datagram verified and given to its QP, then the QPs touched pumped.
 /// Returns how many receive slots were filled.
@@ -1589,13 +1682,14 @@ fn receive_batch(
     d: &Arc<Device>,
     rx: &RxQueue,
     w: &mut RxWork,
-    sending: Option<&Arc<SoftQp>>,
+    taker: Taker<'_>,
 ) -> io::Result<usize> {
     let RxWork {
         bufs,
         metas,
         solver,
         touched,
+        held,
     } = w;
     let n = {
         let mut iovs: Vec<IoSliceMut<'_>> = bufs
@@ -1624,11 +1718,18 @@ fn receive_batch(
             .unwrap_or_else(|_| BytesMut::zeroed(RX_BUF));
     }
     for qp in touched.drain(..) {
-        match sending {
-            // From a QP's own burst: it sends on (and publishes) itself.
-            Some(s) if Arc::ptr_eq(s, &qp) => {}
-            Some(_) => qp.pump(),
-            None => qp.pump_inline(),
+        match taker {
+            // From a QP's own burst: it sends on (and publishes) itself,
+            // the ACK behind its next request or after its last.
+            Taker::Burst(s) if Arc::ptr_eq(s, &qp) => {}
+            Taker::Burst(_) => qp.pump(),
+            Taker::Timer => qp.pump_inline(),
+            Taker::Task => {
+                if qp.pump_inline_holding() && !held.iter().any(|h| Arc::ptr_eq(h, &qp)) {
+                    d.counters.acks_held.fetch_add(1, Ordering::Relaxed);
+                    held.push(qp);
+                }
+            }
         }
     }
     Ok(n)
@@ -1663,7 +1764,7 @@ fn drain_before_timers(d: &Arc<Device>) {
             let mut w = rx.work.lock();
             while calls < DRAIN_BATCHES {
                 calls += 1;
-                if !matches!(receive_batch(d, rx, &mut w, None), Ok(n) if n > 0) {
+                if !matches!(receive_batch(d, rx, &mut w, Taker::Timer), Ok(n) if n > 0) {
                     break;
                 }
             }

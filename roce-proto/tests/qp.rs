@@ -2115,3 +2115,43 @@ fn a_duplicate_read_past_the_executed_one_serves_what_was_executed() {
         assert_eq!(rest[15], (116, 1));
     }
 }
+
+/// A duplicate READ whose VA and length run past the end of the address
+/// space (found by the responder fuzz target: the sum overflowed) is no
+/// range the responder executed: it is dropped and counted, and the READ
+/// asked again properly is still served.
+#[test]
+fn a_duplicate_read_past_the_address_space_is_dropped() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    let read = |psn: u32, va: u64, len: u32| {
+        let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
+        p.reth = Some(Reth {
+            va,
+            rkey: R_KEY,
+            dma_len: len,
+        });
+        p.finish();
+        p
+    };
+    let responses = |b: &mut rdmx_roce_proto::Qp| -> Vec<(u32, usize)> {
+        std::iter::from_fn(|| b.poll_transmit(0))
+            .filter(|p| p.bth.opcode.is_read_response())
+            .map(|p| (p.bth.psn, p.payload.len()))
+            .collect()
+    };
+    for selective_repeat in [true, false] {
+        let (mut b, mut mem) = lone_responder(selective_repeat, 5);
+        b.handle_packet(0, &read(100, R_VA, 512), false, &mut mem);
+        assert_eq!(responses(&mut b), vec![(100, 256), (101, 256)]);
+        let dropped = b.stats().dropped;
+        b.handle_packet(1, &read(100, u64::MAX - 10, 512), false, &mut mem);
+        assert_eq!(responses(&mut b), vec![], "SR {selective_repeat}");
+        assert_eq!(b.stats().dropped, dropped + 1, "SR {selective_repeat}");
+        b.handle_packet(2, &read(100, R_VA, 512), false, &mut mem);
+        assert_eq!(
+            responses(&mut b),
+            vec![(100, 256), (101, 256)],
+            "SR {selective_repeat}"
+        );
+    }
+}

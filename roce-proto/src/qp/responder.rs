@@ -451,7 +451,9 @@ impl Qp {
                     } => {
                         let k = psn::diff(p, first_psn);
                         let orig_end = orig.va + u64::from(orig.dma_len);
-                        let end = reth.va + u64::from(reth.dma_len);
+                        // A peer names any VA and length: one past the end
+                        // of the address space is no range we executed.
+                        let end = reth.va.checked_add(u64::from(reth.dma_len))?;
                         if k < 0
                             || k >= npkts as i32
                             || orig.rkey != reth.rkey

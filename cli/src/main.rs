@@ -106,6 +106,8 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(usize::from(cli.threads))
+        // Soft RoCE ACKs held for the answer leave when a worker runs dry.
+        .on_thread_park(rdmx_transport_rdma::soft::on_thread_park)
         .enable_all()
         .build()
         .expect("tokio runtime");

@@ -25,6 +25,6 @@ pub use opcode::{Opcode, Transport};
 pub use packet::{Aeth, AtomicEth, Bth, DecodeError, Deth, NakCode, Packet, Reth, Syndrome};
 pub use qp::{
     Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, WcOpcode, WcStatus,
-    WorkRequest,
+    WorkRequest, ACK_HOLD_MAX_PACKETS,
 };
 pub use wire::{FrameError, FramePath, IcrcMismatch, RoceFrame, ROCEV2_PORT};

@@ -1588,10 +1588,10 @@ fn acks_wait_for_the_answer_of_an_answering_responder() {
 }
 
 /// A held ACK released early (its receive pass is over and no answer came)
-/// leaves at once, and the responder still counts as answering: the next
-/// delivery's ACK waits again.
+/// leaves at once, and the next delivery's ACK does not wait until this end
+/// answers again; then it waits again.
 #[test]
-fn a_released_ack_leaves_and_the_next_one_waits_again() {
+fn a_released_ack_leaves_and_the_next_waits_once_this_end_answers_again() {
     use rdmx_roce_proto::{Bth, Opcode, Packet};
     let cfg = QpConfig {
         pmtu: 256,
@@ -1615,21 +1615,24 @@ fn a_released_ack_leaves_and_the_next_one_waits_again() {
             .map(|p| (p.bth.opcode, p.bth.psn))
             .collect()
     };
-    for i in 0..3 {
+    let answer = |b: &mut rdmx_roce_proto::Qp, id: u64| {
+        b.post_send(
+            id,
+            WorkRequest::Send {
+                data: Bytes::from_static(b"pong"),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    };
+    for i in 0..4 {
         b.post_recv(i, 64).unwrap();
     }
     // Learn that this end answers.
     b.handle_packet(0, &send(100), false, &mut mem);
     assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
-    b.post_send(
-        9,
-        WorkRequest::Send {
-            data: Bytes::from_static(b"pong"),
-            imm: None,
-            invalidate: None,
-        },
-    )
-    .unwrap();
+    answer(&mut b, 9);
     assert_eq!(out(&mut b, 5_000), vec![(Opcode::SEND_ONLY, 500)]);
     // Held, then released before the hold runs out.
     b.handle_packet(10_000, &send(101), false, &mut mem);
@@ -1638,12 +1641,92 @@ fn a_released_ack_leaves_and_the_next_one_waits_again() {
     b.release_ack();
     assert!(!b.ack_held());
     assert_eq!(out(&mut b, 11_000), vec![(Opcode::ACKNOWLEDGE, 101)]);
-    assert!(b.answering());
-    // The next delivery waits again.
+    assert!(!b.answering());
+    // Not answering: the next ACK leaves at once.
     b.handle_packet(20_000, &send(102), false, &mut mem);
+    assert!(!b.ack_held());
+    assert_eq!(out(&mut b, 20_000), vec![(Opcode::ACKNOWLEDGE, 102)]);
+    // It answers again: the next delivery waits.
+    answer(&mut b, 10);
+    assert_eq!(out(&mut b, 25_000), vec![(Opcode::SEND_ONLY, 501)]);
+    b.handle_packet(30_000, &send(103), false, &mut mem);
     assert!(b.ack_held());
-    assert_eq!(out(&mut b, 20_000), vec![]);
+    assert_eq!(out(&mut b, 30_000), vec![]);
     assert_eq!(b.stats().acks_with_answer, 0);
+}
+
+/// An ACK waits for the answer only while it acknowledges a small message
+/// or two (`ACK_HOLD_MAX_PACKETS` request packets): a longer message, or
+/// many short ones before the answer, are acknowledged at once, so that a
+/// sender with a full window never waits for an answer (as TCP's delayed
+/// ACK stops delaying after two full segments).
+#[test]
+fn an_ack_for_more_than_a_small_answer_does_not_wait() {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, ACK_HOLD_MAX_PACKETS};
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat: true,
+        dcqcn: None,
+        ack_hold_ns: 100_000,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    let mut mem = rdmx_roce_proto::VecMemory::default();
+    let pkt = |op: Opcode, psn: u32, len: usize| {
+        let mut p = Packet::new(Bth::new(op, 0x22, psn));
+        p.bth.ack_req = matches!(op, Opcode::SEND_ONLY | Opcode::SEND_LAST);
+        p.payload = Bytes::from(vec![psn as u8; len]);
+        p.finish();
+        p
+    };
+    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
+        std::iter::from_fn(|| b.poll_transmit(now))
+            .map(|p| (p.bth.opcode, p.bth.psn))
+            .collect()
+    };
+    for i in 0..8 {
+        b.post_recv(i, 4096).unwrap();
+    }
+    // Learn that this end answers.
+    b.handle_packet(0, &pkt(Opcode::SEND_ONLY, 100, 8), false, &mut mem);
+    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    let pong = WorkRequest::Send {
+        data: Bytes::from_static(b"pong"),
+        imm: None,
+        invalidate: None,
+    };
+    b.post_send(9, pong.clone()).unwrap();
+    assert_eq!(out(&mut b, 1_000), vec![(Opcode::SEND_ONLY, 500)]);
+    assert!(b.answering());
+    // A message of ACK_HOLD_MAX_PACKETS packets: held.
+    assert_eq!(ACK_HOLD_MAX_PACKETS, 2);
+    b.handle_packet(2_000, &pkt(Opcode::SEND_FIRST, 101, 256), false, &mut mem);
+    b.handle_packet(2_000, &pkt(Opcode::SEND_LAST, 102, 10), false, &mut mem);
+    assert!(b.ack_held());
+    assert_eq!(out(&mut b, 2_000), vec![]);
+    b.post_send(10, pong.clone()).unwrap();
+    assert_eq!(
+        out(&mut b, 3_000),
+        vec![(Opcode::SEND_ONLY, 501), (Opcode::ACKNOWLEDGE, 102)]
+    );
+    // One of three packets: acknowledged at once.
+    b.handle_packet(4_000, &pkt(Opcode::SEND_FIRST, 103, 256), false, &mut mem);
+    b.handle_packet(4_000, &pkt(Opcode::SEND_MIDDLE, 104, 256), false, &mut mem);
+    b.handle_packet(4_000, &pkt(Opcode::SEND_LAST, 105, 10), false, &mut mem);
+    assert!(!b.ack_held());
+    assert_eq!(out(&mut b, 4_000), vec![(Opcode::ACKNOWLEDGE, 105)]);
+    // Two short messages before the answer: the first one's ACK waits, the
+    // second takes the wait off both.
+    b.post_send(11, pong.clone()).unwrap();
+    assert_eq!(out(&mut b, 4_500), vec![(Opcode::SEND_ONLY, 502)]);
+    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 106, 8), false, &mut mem);
+    assert!(b.ack_held());
+    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 107, 8), false, &mut mem);
+    assert!(b.ack_held(), "two packets still wait");
+    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 108, 8), false, &mut mem);
+    assert!(!b.ack_held());
+    assert_eq!(out(&mut b, 5_000), vec![(Opcode::ACKNOWLEDGE, 108)]);
 }
 
 /// max_rd_atomic: at most that many READs are in flight, counted from the

@@ -505,6 +505,9 @@ pub struct Qp {
     answering: bool,
     /// A coalesced ACK waits for a request to leave with, until then.
     ack_hold_until: Option<u64>,
+    /// Request packets accepted since an ACK last left: an ACK waits for the
+    /// answer only while they are at most [`ACK_HOLD_MAX_PACKETS`].
+    since_ack: u32,
     /// Selective repeat: packets that arrived ahead of ePSN, executed in order
     /// once the gap fills.
     ooo: std::collections::BTreeMap<u32, Packet>,
@@ -533,6 +536,12 @@ pub struct Qp {
 /// acknowledged by it). IBTA reserves codes 5..=31; only sent to rdmx peers
 /// that negotiated selective repeat.
 const SR_HOLE: u8 = 0x1F;
+
+/// An ACK waits for the application's answer ([`QpConfig::ack_hold_ns`])
+/// only while it would acknowledge at most this many request packets: a
+/// small message or two. Beyond that it leaves at once, so a sender with
+/// a full window of large messages never waits for the answer to one.
+pub const ACK_HOLD_MAX_PACKETS: u32 = 2;
 
 fn mem_nak(e: MemError) -> NakCode {
     match e {
@@ -602,6 +611,7 @@ impl Qp {
             delivered_at: None,
             answering: false,
             ack_hold_until: None,
+            since_ack: 0,
             ooo: std::collections::BTreeMap::new(),
             ooo_end: 0,
             resources: VecDeque::new(),
@@ -875,6 +885,7 @@ impl Qp {
         }
         if let Some(psn) = self.pending_ack.take() {
             self.ack_hold_until = None;
+            self.since_ack = 0;
             self.stats.packets_sent += 1;
             return Some(self.ack_packet(psn, 0x1F));
         }
@@ -915,13 +926,16 @@ impl Qp {
     pub fn ack_held(&self) -> bool {
         self.pending_ack.is_some() && self.ack_hold_until.is_some()
     }
-    /// End the hold of a held ACK now: it leaves with the next
-    /// [`Qp::poll_transmit`]. Unlike a hold that runs out, this does not end
-    /// [`Qp::answering`]: a caller that knows the answer cannot come sooner
-    /// (its receive pass is over) releases early, and the next delivery
-    /// waits again.
+    /// End the hold of a held ACK now (the caller knows the answer is not
+    /// coming soon: its receive pass is over): it leaves with the next
+    /// [`Qp::poll_transmit`]. As with a hold that runs out, the next
+    /// deliveries do not wait until this end answers again: a receiver
+    /// that stops answering (a stream of sends it only takes) must not have
+    /// every ACK wait.
     pub fn release_ack(&mut self) {
-        self.ack_hold_until = None;
+        if self.ack_hold_until.take().is_some() && self.pending_ack.is_some() {
+            self.answering = false;
+        }
     }
     /// Whether a coalesced ACK waits to be sent.
     pub fn ack_pending(&self) -> bool {
@@ -954,9 +968,19 @@ impl Qp {
             self.responder(pkt, mem);
             if std::mem::take(&mut self.delivered) {
                 self.delivered_at = Some(now);
-                if self.answering && self.pending_ack.is_some() && self.ack_hold_until.is_none() {
+                if self.answering
+                    && self.pending_ack.is_some()
+                    && self.ack_hold_until.is_none()
+                    && self.since_ack <= ACK_HOLD_MAX_PACKETS
+                {
                     self.ack_hold_until = Some(now.saturating_add(self.cfg.ack_hold_ns));
                 }
+            }
+            if self.since_ack > ACK_HOLD_MAX_PACKETS {
+                // More than a small answer's worth waits: acknowledge now,
+                // as TCP's delayed ACK does after two full segments (RFC
+                // 1122 4.2.3.2); a windowed sender must not stall on it.
+                self.ack_hold_until = None;
             }
         } else if self.state == QpState::Rts {
             self.completer(now, pkt);

@@ -162,6 +162,7 @@ impl Qp {
     /// After executing a SEND/WRITE packet: advance ePSN and ACK if asked (coalesced).
     pub(super) fn accepted(&mut self, pkt: &Packet, message_done: bool) {
         self.epsn = psn::add(self.epsn, 1);
+        self.since_ack = self.since_ack.saturating_add(1);
         self.ack_psn = pkt.bth.psn;
         if message_done {
             self.msn = psn::add(self.msn, 1);

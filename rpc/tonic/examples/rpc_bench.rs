@@ -311,6 +311,8 @@ fn main() {
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // Soft RoCE ACKs held for the answer leave when a worker runs dry.
+        .on_thread_park(rdmx_transport_rdma::soft::on_thread_park)
         .enable_all()
         .build()
         .unwrap();

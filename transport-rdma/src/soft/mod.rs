@@ -6,4 +6,4 @@ mod device;
 mod gather;
 mod timer;
 
-pub use device::{DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};
+pub use device::{on_thread_park, DeviceStats, SoftConfig, SoftRoce, ROCEV2_PORT};

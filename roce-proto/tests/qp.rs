@@ -1503,6 +1503,61 @@ fn a_hole_opening_behind_a_named_one_is_named_at_once() {
     assert_eq!(b.expected_psn(), 108);
 }
 
+/// A responder (QPN 0x22; its peer 0x11 is expected from PSN 100, its own
+/// requests start at 500) whose ACKs may wait `hold_ns` for its answers,
+/// with eight receives posted, and its memory.
+fn holding_responder(hold_ns: u64) -> (rdmx_roce_proto::Qp, rdmx_roce_proto::VecMemory) {
+    let cfg = QpConfig {
+        pmtu: 256,
+        selective_repeat: true,
+        dcqcn: None,
+        ack_hold_ns: hold_ns,
+        ..QpConfig::default()
+    };
+    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
+    b.connect(0x11, 500, 100).unwrap();
+    for i in 0..8 {
+        b.post_recv(i, 4096).unwrap();
+    }
+    (b, rdmx_roce_proto::VecMemory::default())
+}
+
+/// A packet of a SEND to QPN 0x22 (the last one asks for an ACK).
+fn send_packet(op: rdmx_roce_proto::Opcode, psn: u32, len: usize) -> rdmx_roce_proto::Packet {
+    use rdmx_roce_proto::{Bth, Opcode, Packet};
+    let mut p = Packet::new(Bth::new(op, 0x22, psn));
+    p.bth.ack_req = matches!(op, Opcode::SEND_ONLY | Opcode::SEND_LAST);
+    p.payload = Bytes::from(vec![psn as u8; len]);
+    p.finish();
+    p
+}
+
+/// A one-packet message to QPN 0x22.
+fn ping(psn: u32) -> rdmx_roce_proto::Packet {
+    send_packet(rdmx_roce_proto::Opcode::SEND_ONLY, psn, 4)
+}
+
+/// The responder's application sends a one-packet answer.
+fn answer(b: &mut rdmx_roce_proto::Qp, id: u64) {
+    let data = Bytes::from_static(b"pong");
+    b.post_send(
+        id,
+        WorkRequest::Send {
+            data,
+            imm: None,
+            invalidate: None,
+        },
+    )
+    .unwrap();
+}
+
+/// What `b` sends at `now`: (opcode, PSN).
+fn sent(b: &mut rdmx_roce_proto::Qp, now: u64) -> Vec<(rdmx_roce_proto::Opcode, u32)> {
+    std::iter::from_fn(|| b.poll_transmit(now))
+        .map(|p| (p.bth.opcode, p.bth.psn))
+        .collect()
+}
+
 /// With `ack_hold_ns`, a responder whose application answers what it
 /// receives sends the next ACK right behind the answer (one batch) instead
 /// of alone before it; an answer that does not come within the hold lets
@@ -1510,75 +1565,42 @@ fn a_hole_opening_behind_a_named_one_is_named_at_once() {
 /// answers never holds an ACK.
 #[test]
 fn acks_wait_for_the_answer_of_an_answering_responder() {
-    use rdmx_roce_proto::{Bth, Opcode, Packet, WorkRequest};
+    use rdmx_roce_proto::Opcode;
     const HOLD: u64 = 50_000;
-    let cfg = QpConfig {
-        pmtu: 256,
-        selective_repeat: true,
-        dcqcn: None,
-        ack_hold_ns: HOLD,
-        ..QpConfig::default()
-    };
-    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
-    b.connect(0x11, 500, 100).unwrap();
-    let mut mem = rdmx_roce_proto::VecMemory::default();
-    let send = |psn: u32| {
-        let mut p = Packet::new(Bth::new(Opcode::SEND_ONLY, 0x22, psn));
-        p.bth.ack_req = true;
-        p.payload = Bytes::from_static(b"ping");
-        p.finish();
-        p
-    };
-    let answer = |b: &mut rdmx_roce_proto::Qp, id: u64| {
-        b.post_send(
-            id,
-            WorkRequest::Send {
-                data: Bytes::from_static(b"pong"),
-                imm: None,
-                invalidate: None,
-            },
-        )
-        .unwrap();
-    };
-    // What leaves at `now`: (opcode, PSN).
-    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
-        std::iter::from_fn(|| b.poll_transmit(now))
-            .map(|p| (p.bth.opcode, p.bth.psn))
-            .collect()
-    };
-    for i in 0..4 {
-        b.post_recv(i, 64).unwrap();
-    }
+    let (mut b, mut mem) = holding_responder(HOLD);
     // 1: not yet known to answer: the ACK leaves at once; the answer
     // comes 10 µs later.
-    b.handle_packet(0, &send(100), false, &mut mem);
-    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    b.handle_packet(0, &ping(100), false, &mut mem);
+    assert_eq!(sent(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
     assert!(!b.answering());
-    answer(&mut b, 1);
-    assert_eq!(out(&mut b, 10_000), vec![(Opcode::SEND_ONLY, 500)]);
+    answer(&mut b, 11);
+    assert_eq!(sent(&mut b, 10_000), vec![(Opcode::SEND_ONLY, 500)]);
     assert!(b.answering());
     // 2: the ACK waits, then leaves right behind the answer.
-    b.handle_packet(20_000, &send(101), false, &mut mem);
-    assert_eq!(out(&mut b, 20_000), vec![]);
+    b.handle_packet(20_000, &ping(101), false, &mut mem);
+    assert_eq!(sent(&mut b, 20_000), vec![]);
     assert!(
         b.poll_timeout().unwrap() <= 20_000 + HOLD,
         "the hold is timed"
     );
-    answer(&mut b, 2);
+    answer(&mut b, 12);
     assert_eq!(
-        out(&mut b, 30_000),
+        sent(&mut b, 30_000),
         vec![(Opcode::SEND_ONLY, 501), (Opcode::ACKNOWLEDGE, 101)]
     );
     assert_eq!(b.stats().acks_with_answer, 1);
     // 3: no answer within the hold: the timer lets the ACK go, and the
     // next one does not wait.
-    b.handle_packet(40_000, &send(102), false, &mut mem);
-    assert_eq!(out(&mut b, 40_000 + HOLD - 1), vec![]);
+    b.handle_packet(40_000, &ping(102), false, &mut mem);
+    assert_eq!(sent(&mut b, 40_000 + HOLD - 1), vec![]);
     b.handle_timeout(40_000 + HOLD);
-    assert_eq!(out(&mut b, 40_000 + HOLD), vec![(Opcode::ACKNOWLEDGE, 102)]);
+    assert_eq!(
+        sent(&mut b, 40_000 + HOLD),
+        vec![(Opcode::ACKNOWLEDGE, 102)]
+    );
     assert!(!b.answering());
-    b.handle_packet(100_000, &send(103), false, &mut mem);
-    assert_eq!(out(&mut b, 100_000), vec![(Opcode::ACKNOWLEDGE, 103)]);
+    b.handle_packet(100_000, &ping(103), false, &mut mem);
+    assert_eq!(sent(&mut b, 100_000), vec![(Opcode::ACKNOWLEDGE, 103)]);
     // Every message delivered, in order.
     let got: Vec<u64> = std::iter::from_fn(|| b.poll_completion())
         .filter(|c| c.opcode == rdmx_roce_proto::WcOpcode::Recv)
@@ -1592,66 +1614,31 @@ fn acks_wait_for_the_answer_of_an_answering_responder() {
 /// answers again; then it waits again.
 #[test]
 fn a_released_ack_leaves_and_the_next_waits_once_this_end_answers_again() {
-    use rdmx_roce_proto::{Bth, Opcode, Packet};
-    let cfg = QpConfig {
-        pmtu: 256,
-        selective_repeat: true,
-        dcqcn: None,
-        ack_hold_ns: 100_000,
-        ..QpConfig::default()
-    };
-    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
-    b.connect(0x11, 500, 100).unwrap();
-    let mut mem = rdmx_roce_proto::VecMemory::default();
-    let send = |psn: u32| {
-        let mut p = Packet::new(Bth::new(Opcode::SEND_ONLY, 0x22, psn));
-        p.bth.ack_req = true;
-        p.payload = Bytes::from_static(b"ping");
-        p.finish();
-        p
-    };
-    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
-        std::iter::from_fn(|| b.poll_transmit(now))
-            .map(|p| (p.bth.opcode, p.bth.psn))
-            .collect()
-    };
-    let answer = |b: &mut rdmx_roce_proto::Qp, id: u64| {
-        b.post_send(
-            id,
-            WorkRequest::Send {
-                data: Bytes::from_static(b"pong"),
-                imm: None,
-                invalidate: None,
-            },
-        )
-        .unwrap();
-    };
-    for i in 0..4 {
-        b.post_recv(i, 64).unwrap();
-    }
+    use rdmx_roce_proto::Opcode;
+    let (mut b, mut mem) = holding_responder(100_000);
     // Learn that this end answers.
-    b.handle_packet(0, &send(100), false, &mut mem);
-    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    b.handle_packet(0, &ping(100), false, &mut mem);
+    assert_eq!(sent(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
     answer(&mut b, 9);
-    assert_eq!(out(&mut b, 5_000), vec![(Opcode::SEND_ONLY, 500)]);
+    assert_eq!(sent(&mut b, 5_000), vec![(Opcode::SEND_ONLY, 500)]);
     // Held, then released before the hold runs out.
-    b.handle_packet(10_000, &send(101), false, &mut mem);
+    b.handle_packet(10_000, &ping(101), false, &mut mem);
     assert!(b.ack_held());
-    assert_eq!(out(&mut b, 10_000), vec![]);
+    assert_eq!(sent(&mut b, 10_000), vec![]);
     b.release_ack();
     assert!(!b.ack_held());
-    assert_eq!(out(&mut b, 11_000), vec![(Opcode::ACKNOWLEDGE, 101)]);
+    assert_eq!(sent(&mut b, 11_000), vec![(Opcode::ACKNOWLEDGE, 101)]);
     assert!(!b.answering());
     // Not answering: the next ACK leaves at once.
-    b.handle_packet(20_000, &send(102), false, &mut mem);
+    b.handle_packet(20_000, &ping(102), false, &mut mem);
     assert!(!b.ack_held());
-    assert_eq!(out(&mut b, 20_000), vec![(Opcode::ACKNOWLEDGE, 102)]);
+    assert_eq!(sent(&mut b, 20_000), vec![(Opcode::ACKNOWLEDGE, 102)]);
     // It answers again: the next delivery waits.
     answer(&mut b, 10);
-    assert_eq!(out(&mut b, 25_000), vec![(Opcode::SEND_ONLY, 501)]);
-    b.handle_packet(30_000, &send(103), false, &mut mem);
+    assert_eq!(sent(&mut b, 25_000), vec![(Opcode::SEND_ONLY, 501)]);
+    b.handle_packet(30_000, &ping(103), false, &mut mem);
     assert!(b.ack_held());
-    assert_eq!(out(&mut b, 30_000), vec![]);
+    assert_eq!(sent(&mut b, 30_000), vec![]);
     assert_eq!(b.stats().acks_with_answer, 0);
 }
 
@@ -1662,71 +1649,49 @@ fn a_released_ack_leaves_and_the_next_waits_once_this_end_answers_again() {
 /// ACK stops delaying after two full segments).
 #[test]
 fn an_ack_for_more_than_a_small_answer_does_not_wait() {
-    use rdmx_roce_proto::{Bth, Opcode, Packet, ACK_HOLD_MAX_PACKETS};
-    let cfg = QpConfig {
-        pmtu: 256,
-        selective_repeat: true,
-        dcqcn: None,
-        ack_hold_ns: 100_000,
-        ..QpConfig::default()
-    };
-    let mut b = rdmx_roce_proto::Qp::new(cfg, 0x22);
-    b.connect(0x11, 500, 100).unwrap();
-    let mut mem = rdmx_roce_proto::VecMemory::default();
-    let pkt = |op: Opcode, psn: u32, len: usize| {
-        let mut p = Packet::new(Bth::new(op, 0x22, psn));
-        p.bth.ack_req = matches!(op, Opcode::SEND_ONLY | Opcode::SEND_LAST);
-        p.payload = Bytes::from(vec![psn as u8; len]);
-        p.finish();
-        p
-    };
-    let out = |b: &mut rdmx_roce_proto::Qp, now: u64| -> Vec<(Opcode, u32)> {
-        std::iter::from_fn(|| b.poll_transmit(now))
-            .map(|p| (p.bth.opcode, p.bth.psn))
-            .collect()
-    };
-    for i in 0..8 {
-        b.post_recv(i, 4096).unwrap();
-    }
+    use rdmx_roce_proto::{Opcode, ACK_HOLD_MAX_PACKETS};
+    let (mut b, mut mem) = holding_responder(100_000);
     // Learn that this end answers.
-    b.handle_packet(0, &pkt(Opcode::SEND_ONLY, 100, 8), false, &mut mem);
-    assert_eq!(out(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
-    let pong = WorkRequest::Send {
-        data: Bytes::from_static(b"pong"),
-        imm: None,
-        invalidate: None,
-    };
-    b.post_send(9, pong.clone()).unwrap();
-    assert_eq!(out(&mut b, 1_000), vec![(Opcode::SEND_ONLY, 500)]);
+    b.handle_packet(0, &ping(100), false, &mut mem);
+    assert_eq!(sent(&mut b, 0), vec![(Opcode::ACKNOWLEDGE, 100)]);
+    answer(&mut b, 9);
+    assert_eq!(sent(&mut b, 1_000), vec![(Opcode::SEND_ONLY, 500)]);
     assert!(b.answering());
     // A message of ACK_HOLD_MAX_PACKETS packets: held.
     assert_eq!(ACK_HOLD_MAX_PACKETS, 2);
-    b.handle_packet(2_000, &pkt(Opcode::SEND_FIRST, 101, 256), false, &mut mem);
-    b.handle_packet(2_000, &pkt(Opcode::SEND_LAST, 102, 10), false, &mut mem);
+    let first = send_packet(Opcode::SEND_FIRST, 101, 256);
+    b.handle_packet(2_000, &first, false, &mut mem);
+    let last = send_packet(Opcode::SEND_LAST, 102, 10);
+    b.handle_packet(2_000, &last, false, &mut mem);
     assert!(b.ack_held());
-    assert_eq!(out(&mut b, 2_000), vec![]);
-    b.post_send(10, pong.clone()).unwrap();
+    assert_eq!(sent(&mut b, 2_000), vec![]);
+    answer(&mut b, 10);
     assert_eq!(
-        out(&mut b, 3_000),
+        sent(&mut b, 3_000),
         vec![(Opcode::SEND_ONLY, 501), (Opcode::ACKNOWLEDGE, 102)]
     );
     // One of three packets: acknowledged at once.
-    b.handle_packet(4_000, &pkt(Opcode::SEND_FIRST, 103, 256), false, &mut mem);
-    b.handle_packet(4_000, &pkt(Opcode::SEND_MIDDLE, 104, 256), false, &mut mem);
-    b.handle_packet(4_000, &pkt(Opcode::SEND_LAST, 105, 10), false, &mut mem);
+    for (op, psn) in [
+        (Opcode::SEND_FIRST, 103),
+        (Opcode::SEND_MIDDLE, 104),
+        (Opcode::SEND_LAST, 105),
+    ] {
+        let len = if op == Opcode::SEND_LAST { 10 } else { 256 };
+        b.handle_packet(4_000, &send_packet(op, psn, len), false, &mut mem);
+    }
     assert!(!b.ack_held());
-    assert_eq!(out(&mut b, 4_000), vec![(Opcode::ACKNOWLEDGE, 105)]);
-    // Two short messages before the answer: the first one's ACK waits, the
-    // second takes the wait off both.
-    b.post_send(11, pong.clone()).unwrap();
-    assert_eq!(out(&mut b, 4_500), vec![(Opcode::SEND_ONLY, 502)]);
-    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 106, 8), false, &mut mem);
+    assert_eq!(sent(&mut b, 4_000), vec![(Opcode::ACKNOWLEDGE, 105)]);
+    // Short messages before the answer: the first two ACKs wait, the third
+    // takes the wait off all of them.
+    answer(&mut b, 11);
+    assert_eq!(sent(&mut b, 4_500), vec![(Opcode::SEND_ONLY, 502)]);
+    b.handle_packet(5_000, &ping(106), false, &mut mem);
     assert!(b.ack_held());
-    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 107, 8), false, &mut mem);
+    b.handle_packet(5_000, &ping(107), false, &mut mem);
     assert!(b.ack_held(), "two packets still wait");
-    b.handle_packet(5_000, &pkt(Opcode::SEND_ONLY, 108, 8), false, &mut mem);
+    b.handle_packet(5_000, &ping(108), false, &mut mem);
     assert!(!b.ack_held());
-    assert_eq!(out(&mut b, 5_000), vec![(Opcode::ACKNOWLEDGE, 108)]);
+    assert_eq!(sent(&mut b, 5_000), vec![(Opcode::ACKNOWLEDGE, 108)]);
 }
 
 /// max_rd_atomic: at most that many READs are in flight, counted from the

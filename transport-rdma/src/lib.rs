@@ -91,6 +91,12 @@ impl RdmaTransport {
         }
     }
 
+    /// RDMA on a soft RoCE device of its own, configured by `cfg` (another
+    /// port, go-back-N only, no ACK hold...).
+    pub fn on_soft_device(cfg: SoftConfig) -> Result<RdmaTransport> {
+        Ok(RdmaTransport::with_provider(Arc::new(SoftRoce::new(cfg)?)))
+    }
+
     /// Queue pair timers and limits for new connections.
     pub fn qp_options(mut self, qp: QpOptions) -> RdmaTransport {
         self.qp = qp;

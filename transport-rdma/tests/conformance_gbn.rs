@@ -6,20 +6,16 @@
 use std::sync::Arc;
 
 use rdmx_conformance::Suite;
-use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
+use rdmx_transport_rdma::{RdmaTransport, SoftConfig};
 
 fn suite() -> Suite {
-    let dev = SoftRoce::new(SoftConfig {
+    let rdma = RdmaTransport::on_soft_device(SoftConfig {
         port: 0,
         selective_repeat: false,
         gathered_sends: false,
         ..SoftConfig::default()
-    })
-    .expect("soft device");
-    Suite::new(
-        Arc::new(RdmaTransport::with_provider(Arc::new(dev))),
-        "127.0.0.1:0",
-    )
+    });
+    Suite::new(Arc::new(rdma.expect("soft device")), "127.0.0.1:0")
 }
 
 rdmx_conformance::conformance_tests!(suite());

@@ -19,13 +19,12 @@ static TIMED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A soft device on a free port, and a connected pair over it.
 async fn soft_pair() -> (Arc<SoftRoce>, Pair) {
-    let dev = Arc::new(
-        SoftRoce::new(SoftConfig {
-            port: 0,
-            ..SoftConfig::default()
-        })
-        .unwrap(),
-    );
+    soft_pair_with(SoftConfig::default()).await
+}
+
+/// [`soft_pair`] on a device of configuration `cfg` (its port aside).
+async fn soft_pair_with(cfg: SoftConfig) -> (Arc<SoftRoce>, Pair) {
+    let dev = Arc::new(SoftRoce::new(SoftConfig { port: 0, ..cfg }).unwrap());
     let p = Suite::new(
         Arc::new(RdmaTransport::with_provider(dev.clone())),
         "127.0.0.1:0",
@@ -189,19 +188,10 @@ async fn a_burst_without_losses_leaves_receiving_to_the_receive_task() {
 /// round trip.
 async fn ping_pong_send_calls(flavor: &str, hold: Duration) -> f64 {
     const N: u64 = 300;
-    let dev = Arc::new(
-        SoftRoce::new(SoftConfig {
-            port: 0,
-            ack_hold: hold,
-            ..SoftConfig::default()
-        })
-        .unwrap(),
-    );
-    let p = Suite::new(
-        Arc::new(RdmaTransport::with_provider(dev.clone())),
-        "127.0.0.1:0",
-    )
-    .pair()
+    let (dev, p) = soft_pair_with(SoftConfig {
+        ack_hold: hold,
+        ..SoftConfig::default()
+    })
     .await;
     let server = p.server.clone();
     let echo = tokio::spawn(async move {

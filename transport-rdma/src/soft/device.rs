@@ -1621,10 +1621,14 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
             return;
         };
         loop {
-            let r = receive_batch(&d, rx, &mut rx.work.lock(), Taker::Task);
+            let (r, held) = {
+                let mut w = rx.work.lock();
+                let r = receive_batch(&d, rx, &mut w, Taker::Task);
+                (r, std::mem::take(&mut w.held))
+            };
             // After every batch, not once the socket is empty: a stream of
             // full batches would hold the ACKs for as long as it lasts.
-            release_held_acks(&d, rx).await;
+            release_held_acks(&d, held).await;
             match r {
                 Ok(n) if n == RX_BATCH => {}
                 // A short batch emptied the socket. Readiness is cleared
@@ -1665,8 +1669,7 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
 /// wake-ups (tokio puts the yielded task next to what the worker's I/O poll
 /// woke, and hands one of the two to an idle worker; 8 B send round trips
 /// took 47-54 µs instead of 35-39 on two workers).
-async fn release_held_acks(d: &Device, rx: &RxQueue) {
-    let held = std::mem::take(&mut rx.work.lock().held);
+async fn release_held_acks(d: &Device, held: Vec<Arc<SoftQp>>) {
     if held.is_empty() {
         return;
     }
@@ -1706,9 +1709,6 @@ thread_local! {
     /// ACKs receive tasks on this thread hold until it parks.
     static PARKED_HELD: std::cell::RefCell<Vec<Arc<SoftQp>>> =
         const { std::cell::RefCell::new(Vec::new()) };
-}
-
-thread_local! {
     /// This worker thread calls [`on_thread_park`] when it runs out of tasks.
     static PARK_HOOK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }

@@ -66,6 +66,8 @@ pub struct BenchReport {
     pub node_cpu_s_per_m_gets: f64,
     /// One-sided reads retried (torn or moving items).
     pub retries: u64,
+    /// READs per one-sided GET (1: every hit found by a remembered pointer).
+    pub reads_per_get: f64,
 }
 
 fn key(rank: u64) -> Vec<u8> {
@@ -104,6 +106,7 @@ pub async fn load(client: &Client, cfg: &BenchConfig) -> Result<(), KvError> {
 pub async fn run(client: &Client, cfg: &BenchConfig) -> Result<BenchReport, KvError> {
     let before = client.node_stats().await?;
     let retries0 = client.counters().one_sided_retries.load(Ordering::Relaxed);
+    let reads0 = client.counters().one_sided_reads.load(Ordering::Relaxed);
     let hist = || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("bounds");
     let gets_h = Arc::new(Mutex::new(hist()));
     let sets_h = Arc::new(Mutex::new(hist()));
@@ -185,5 +188,12 @@ pub async fn run(client: &Client, cfg: &BenchConfig) -> Result<BenchReport, KvEr
         hit_ratio: hits.load(Ordering::Relaxed) as f64 / gets.max(1) as f64,
         node_cpu_s_per_m_gets: cpu / (gets.max(1) as f64 / 1e6),
         retries: client.counters().one_sided_retries.load(Ordering::Relaxed) - retries0,
+        reads_per_get: match cfg.path {
+            GetPath::OneSided => {
+                (client.counters().one_sided_reads.load(Ordering::Relaxed) - reads0) as f64
+                    / gets.max(1) as f64
+            }
+            GetPath::Rpc => 0.0,
+        },
     })
 }

@@ -94,6 +94,9 @@ pub struct ClientCounters {
     pub one_sided_misses: AtomicU64,
     /// One-sided reads retried (torn, overwritten or reused slots).
     pub one_sided_retries: AtomicU64,
+    /// READs the one-sided path issued (index buckets and items): a hit on a
+    /// remembered pointer takes one, a first look two.
+    pub one_sided_reads: AtomicU64,
     /// One-sided GETs that gave up and asked by RPC.
     pub one_sided_fallbacks: AtomicU64,
     /// RPC GETs that found a value.
@@ -121,6 +124,17 @@ struct Link {
     /// key or version; so does another key with the same 64-bit hash, as
     /// the item holds its key. Keyed by hash, a lookup touches no key bytes.
     pointers: parking_lot::Mutex<nohash_hasher::IntMap<u64, Entry>>,
+}
+
+impl Link {
+    /// Remember where the item of the key hashing to `h` is.
+    fn remember(&self, h: u64, e: Entry) {
+        let mut p = self.pointers.lock();
+        if p.len() >= POINTER_CACHE {
+            p.clear();
+        }
+        p.insert(h, e);
+    }
 }
 
 enum State {
@@ -333,9 +347,11 @@ impl Client {
         let g = link.info.geometry;
         let conn: &Connection = link.rpc.connection();
         let h = key_hash(key, g.seed);
+        let reads = &self.inner.counters.one_sided_reads;
         let cached = link.pointers.lock().get(&h).copied();
         if let Some(e) = cached {
             if let Ok(at) = g.arena.slice(e.offset, u64::from(e.len)) {
+                reads.fetch_add(1, Ordering::Relaxed);
                 let item = conn.read(at).await?;
                 if let Ok((hd, vr)) = verify_item(&item, &e, key, g.seed) {
                     let expired = Self::expired(link, hd.expiry_ms);
@@ -353,6 +369,7 @@ impl Client {
                     .one_sided_retries
                     .fetch_add(1, Ordering::Relaxed);
             }
+            reads.fetch_add(1, Ordering::Relaxed);
             let bucket = conn
                 .read(g.index.slice(b * BUCKET_BYTES, BUCKET_BYTES)?)
                 .await?;
@@ -370,16 +387,13 @@ impl Client {
                     torn = true;
                     continue;
                 };
+                reads.fetch_add(1, Ordering::Relaxed);
                 let item = conn.read(at).await?;
                 match verify_item(&item, &e, key, g.seed) {
                     Ok((hd, vr)) => {
                         let expired = Self::expired(link, hd.expiry_ms);
                         answer = Some(if expired { None } else { Some(item.slice(vr)) });
-                        let mut p = link.pointers.lock();
-                        if p.len() >= POINTER_CACHE {
-                            p.clear();
-                        }
-                        p.insert(h, e);
+                        link.remember(h, e);
                         break;
                     }
                     // Another key with the same tag: keep looking.
@@ -402,13 +416,36 @@ impl Client {
         join_all(keys.iter().map(|k| self.get_with(k, path))).await
     }
 
-    /// SET with options; returns whether it was stored and the previous value.
+    /// SET with options; returns whether it was stored.
     pub async fn set(
         &self,
         key: &[u8],
         value: &[u8],
         ttl: Ttl,
         cond: Cond,
+    ) -> Result<bool, KvError> {
+        Ok(self.set_with(key, value, ttl, cond, false).await?.0)
+    }
+
+    /// SET … GET: also returns the previous value (only this form carries
+    /// it back from the node).
+    pub async fn set_get(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        ttl: Ttl,
+        cond: Cond,
+    ) -> Result<(bool, Option<Bytes>), KvError> {
+        self.set_with(key, value, ttl, cond, true).await
+    }
+
+    async fn set_with(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        ttl: Ttl,
+        cond: Cond,
+        want_old: bool,
     ) -> Result<(bool, Option<Bytes>), KvError> {
         let (i, link) = self.owner(key)?;
         let req = SetReq {
@@ -417,8 +454,23 @@ impl Client {
             flags: 0,
             ttl,
             cond,
+            want_old,
         };
-        let (ok, old): SetResp = self.call(i, &link, "set", &req).await?;
+        let (ok, old, placed): SetResp = self.call(i, &link, "set", &req).await?;
+        if let Some(p) = placed {
+            // The next GET of this key reads the item at once (the node
+            // answered after the index pointed at it).
+            let h = key_hash(key, link.info.geometry.seed);
+            link.remember(
+                h,
+                Entry {
+                    offset: p.offset,
+                    len: p.len,
+                    tag: tag_of(h),
+                    version: p.version,
+                },
+            );
+        }
         Ok((ok, old.map(|o| Bytes::from(o.into_vec()))))
     }
 

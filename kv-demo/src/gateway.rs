@@ -69,7 +69,7 @@ pub fn metrics(out: &mut String, client: &Client, counters: &GatewayCounters) {
     use std::fmt::Write as _;
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let c = client.counters();
-    let rows: [(&str, &str, u64); 11] = [
+    let rows: [(&str, &str, u64); 12] = [
         (
             "gateway_connections",
             "Redis client connections accepted.",
@@ -99,6 +99,11 @@ pub fn metrics(out: &mut String, client: &Client, counters: &GatewayCounters) {
             "one_sided_retries",
             "One-sided reads retried (torn, overwritten or reused items).",
             l(&c.one_sided_retries),
+        ),
+        (
+            "one_sided_reads",
+            "READs issued by one-sided GETs (index buckets and items).",
+            l(&c.one_sided_reads),
         ),
         (
             "one_sided_fallbacks",
@@ -453,7 +458,15 @@ async fn set(client: &Client, args: &[Bytes]) -> Reply {
         }
         i += 1;
     }
-    match client.set(&args[1], &args[2], ttl, cond).await {
+    let done = if get {
+        client.set_get(&args[1], &args[2], ttl, cond).await
+    } else {
+        client
+            .set(&args[1], &args[2], ttl, cond)
+            .await
+            .map(|s| (s, None))
+    };
+    match done {
         Ok((stored, old)) => {
             if get {
                 old.map_or(Reply::Nil, Reply::Bulk)

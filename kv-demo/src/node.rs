@@ -16,7 +16,7 @@ use crate::store::{Cond, Expiry, Geometry, Store};
 /// The RPC service name and version.
 pub const SERVICE: &str = "rdmx-kv";
 /// Version of the node protocol.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Every method a node serves.
 pub const METHODS: &[&str] = &[
     "info", "get", "set", "del", "exists", "incr", "expire", "pttl", "touch", "flush", "dbsize",
@@ -94,10 +94,27 @@ pub struct SetReq {
     pub ttl: Ttl,
     /// NX / XX.
     pub cond: Cond,
+    /// Send the previous value back (SET … GET); plain SETs do not pay for
+    /// carrying it.
+    pub want_old: bool,
 }
 
-/// A SET answer: stored, and the previous value (for SET … GET).
-pub type SetResp = (bool, Option<ByteBuf>);
+/// A SET answer: stored, the previous value (for SET … GET), and where the
+/// new item is (for the client's pointer cache; `None` when not stored).
+pub type SetResp = (bool, Option<ByteBuf>, Option<Placed>);
+
+/// Where a SET put its item: the index entry's item offset, length and
+/// version (low 32 bits), as a one-sided reader would find them in the
+/// index (see [`crate::layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placed {
+    /// Item offset in the arena.
+    pub offset: u64,
+    /// Item length in bytes.
+    pub len: u32,
+    /// Low 32 bits of the item's version.
+    pub version: u32,
+}
 
 /// A running node.
 pub struct Node {
@@ -278,10 +295,16 @@ fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
         .method(
             "set",
             on_store(s, |st, r: SetReq, now| {
-                let (ok, old) = st
-                    .set(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
+                let (ok, old, entry) = st
+                    .set_located(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
                     .map_err(|e| e.to_string())?;
-                Ok::<SetResp, _>((ok, old.map(ByteBuf::from)))
+                let placed = entry.map(|e| Placed {
+                    offset: e.offset,
+                    len: e.len,
+                    version: e.version,
+                });
+                let old = old.filter(|_| r.want_old).map(ByteBuf::from);
+                Ok::<SetResp, _>((ok, old, placed))
             }),
         )
         .method(

@@ -498,7 +498,7 @@ impl Store {
     }
 
     /// Store `value` under `key` if `cond` holds; returns whether it was
-    /// stored and, with `want_old`, the previous value (SET … GET).
+    /// stored and the previous value (SET … GET).
     pub fn set(
         &mut self,
         key: &[u8],
@@ -508,6 +508,21 @@ impl Store {
         cond: Cond,
         now: u64,
     ) -> Result<(bool, Option<Vec<u8>>), StoreError> {
+        self.set_located(key, value, flags, expiry, cond, now)
+            .map(|(stored, old, _)| (stored, old))
+    }
+
+    /// [`Store::set`], also returning the index entry of the item it wrote
+    /// (a client remembers it, so that its next GET of the key is one read).
+    pub fn set_located(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        flags: u32,
+        expiry: Expiry,
+        cond: Cond,
+        now: u64,
+    ) -> Result<(bool, Option<Vec<u8>>, Option<Entry>), StoreError> {
         self.fits(key, value.len())?;
         let current = self.live(key, now);
         let old = current.map(|f| {
@@ -521,15 +536,15 @@ impl Store {
             Cond::IfPresent => current.is_some(),
         };
         if !go {
-            return Ok((false, old));
+            return Ok((false, old, None));
         }
         let expiry_ms = match expiry {
             Expiry::Never => 0,
             Expiry::At(t) => t.max(1),
             Expiry::Keep => current.map_or(0, |f| f.header.expiry_ms),
         };
-        self.write_item(key, value, flags, expiry_ms, now);
-        Ok((true, old))
+        let entry = self.write_item(key, value, flags, expiry_ms, now);
+        Ok((true, old, Some(entry)))
     }
 
     /// Whether an item of `key` and `value_len` bytes fits a page.
@@ -547,7 +562,16 @@ impl Store {
 
     /// Write a new item for `key` and point the index at it; the previous
     /// item (if any) is freed just before the swap.
-    fn write_item(&mut self, key: &[u8], value: &[u8], flags: u32, expiry_ms: u64, now: u64) {
+    /// Write a new item for `key` and point the index at it; returns the
+    /// index entry.
+    fn write_item(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        flags: u32,
+        expiry_ms: u64,
+        now: u64,
+    ) -> Entry {
         let len = HEADER + key.len() + value.len();
         let c = self.class_for(len);
         let offset = self.alloc(c, now);
@@ -615,6 +639,7 @@ impl Store {
             self.set_entry(bucket, way, Some(entry));
         }
         self.counters.sets.fetch_add(1, Ordering::Relaxed);
+        entry
     }
 
     /// Delete keys; returns how many had a live item.

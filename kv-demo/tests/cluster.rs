@@ -72,27 +72,37 @@ fn check_self(v: &[u8]) -> u64 {
     n
 }
 
+fn cnt_reads(c: &Client) -> u64 {
+    c.counters().one_sided_reads.load(Ordering::Relaxed)
+}
+
 async fn basics(scheme: &str) {
     let a = start(scheme, "127.0.0.1:0", 16 << 20).await;
     let b = start(scheme, "127.0.0.1:0", 16 << 20).await;
     let c = client(&[&a.url, &b.url]).await;
     for i in 0..200u32 {
         let k = format!("key:{i}");
-        assert!(
-            c.set(
+        assert!(c
+            .set(
                 k.as_bytes(),
                 &self_checking(i as u64),
                 Ttl::Never,
                 Cond::Always
             )
             .await
-            .unwrap()
-            .0
-        );
+            .unwrap());
     }
+    // The SETs told the client where each item is: every GET is one READ.
+    let reads = || cnt_reads(&c);
+    let reads0 = reads();
     for i in 0..200u32 {
         let k = format!("key:{i}");
         let v = c.get(k.as_bytes()).await.unwrap().expect("hit");
+        assert_eq!(
+            reads() - reads0,
+            u64::from(i) + 1,
+            "a remembered GET is one READ"
+        );
         assert_eq!(check_self(&v), i as u64);
         let r = c
             .get_with(k.as_bytes(), GetPath::Rpc)
@@ -101,7 +111,10 @@ async fn basics(scheme: &str) {
             .unwrap();
         assert_eq!(r, v);
     }
+    // A key never seen: its index bucket, nothing more.
+    let before = reads();
     assert_eq!(c.get(b"absent").await.unwrap(), None);
+    assert_eq!(reads() - before, 1);
     let cnt = c.counters();
     assert_eq!(cnt.one_sided_hits.load(Ordering::Relaxed), 200);
     assert_eq!(cnt.rpc_hits.load(Ordering::Relaxed), 200);
@@ -121,14 +134,12 @@ async fn basics(scheme: &str) {
     assert_eq!(c.del(&[&b"key:1"[..], b"nope"]).await.unwrap(), 1);
     assert_eq!(c.get(b"key:1").await.unwrap(), None);
     // NX / XX and the previous value.
-    assert!(
-        !c.set(b"key:2", b"x", Ttl::Never, Cond::IfAbsent)
-            .await
-            .unwrap()
-            .0
-    );
+    assert!(!c
+        .set(b"key:2", b"x", Ttl::Never, Cond::IfAbsent)
+        .await
+        .unwrap());
     let (ok, old) = c
-        .set(b"key:2", b"new", Ttl::Never, Cond::IfPresent)
+        .set_get(b"key:2", b"new", Ttl::Never, Cond::IfPresent)
         .await
         .unwrap();
     assert!(ok);

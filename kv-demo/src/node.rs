@@ -295,16 +295,16 @@ fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
         .method(
             "set",
             on_store(s, |st, r: SetReq, now| {
-                let (ok, old, entry) = st
+                let done = st
                     .set_located(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
                     .map_err(|e| e.to_string())?;
-                let placed = entry.map(|e| Placed {
+                let placed = done.entry.map(|e| Placed {
                     offset: e.offset,
                     len: e.len,
                     version: e.version,
                 });
-                let old = old.filter(|_| r.want_old).map(ByteBuf::from);
-                Ok::<SetResp, _>((ok, old, placed))
+                let old = done.old.filter(|_| r.want_old).map(ByteBuf::from);
+                Ok::<SetResp, _>((done.stored, old, placed))
             }),
         )
         .method(

@@ -133,6 +133,17 @@ struct Found {
     header: Header,
 }
 
+/// What [`Store::set_located`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetOutcome {
+    /// Whether the value was stored (NX / XX may refuse).
+    pub stored: bool,
+    /// The previous value, if the key had one.
+    pub old: Option<Vec<u8>>,
+    /// The index entry of the new item (`None` when not stored).
+    pub entry: Option<Entry>,
+}
+
 /// A node's items.
 pub struct Store {
     seed: u64,
@@ -509,7 +520,7 @@ impl Store {
         now: u64,
     ) -> Result<(bool, Option<Vec<u8>>), StoreError> {
         self.set_located(key, value, flags, expiry, cond, now)
-            .map(|(stored, old, _)| (stored, old))
+            .map(|o| (o.stored, o.old))
     }
 
     /// [`Store::set`], also returning the index entry of the item it wrote
@@ -522,7 +533,7 @@ impl Store {
         expiry: Expiry,
         cond: Cond,
         now: u64,
-    ) -> Result<(bool, Option<Vec<u8>>, Option<Entry>), StoreError> {
+    ) -> Result<SetOutcome, StoreError> {
         self.fits(key, value.len())?;
         let current = self.live(key, now);
         let old = current.map(|f| {
@@ -536,7 +547,11 @@ impl Store {
             Cond::IfPresent => current.is_some(),
         };
         if !go {
-            return Ok((false, old, None));
+            return Ok(SetOutcome {
+                stored: false,
+                old,
+                entry: None,
+            });
         }
         let expiry_ms = match expiry {
             Expiry::Never => 0,
@@ -544,7 +559,11 @@ impl Store {
             Expiry::Keep => current.map_or(0, |f| f.header.expiry_ms),
         };
         let entry = self.write_item(key, value, flags, expiry_ms, now);
-        Ok((true, old, Some(entry)))
+        Ok(SetOutcome {
+            stored: true,
+            old,
+            entry: Some(entry),
+        })
     }
 
     /// Whether an item of `key` and `value_len` bytes fits a page.

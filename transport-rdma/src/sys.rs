@@ -1,12 +1,13 @@
-//! The crate's `unsafe` code, four small blocks: registering a
-//! completion-event fd and a UDP socket with tokio's reactor, steering received packets to
+//! The crate's `unsafe` code, five small blocks: registering a
+//! completion-event fd and a UDP socket with tokio's reactor, waiting for a
+//! borrowed socket to take writes, steering received packets to
 //! receive queues by destination QP (a classic-BPF reuseport program, the RSS a
 //! NIC does in hardware), and reading the kernel's path MTU towards a peer.
 //! Each is exercised by the tests below and by every connection.
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 
@@ -18,14 +19,37 @@ pub(crate) fn register_fd(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)
 }
 
-/// Wrap a non-blocking UDP socket for readiness waits under the current
-/// runtime (the soft device's receive queues clear readiness themselves).
+/// Wrap a non-blocking UDP socket for read-readiness waits under the
+/// current runtime (the soft device's receive queues clear readiness
+/// themselves). Read interest only: a UDP socket reports "writable" again
+/// each time the kernel frees one of its sent datagrams, and with write
+/// interest each of those would wake the thread waiting in `epoll`.
 pub(crate) fn register_udp(sock: std::net::UdpSocket) -> io::Result<AsyncFd<std::net::UdpSocket>> {
     sock.set_nonblocking(true)?;
     // SAFETY: the socket is moved into the `AsyncFd`, its only owner: its fd
     // is valid and open, and `std::net::UdpSocket` returns the same raw fd
     // until it is dropped with the `AsyncFd`.
-    unsafe { AsyncFd::register(sock) }.map_err(io::Error::from)
+    unsafe { AsyncFd::register_with_interest(sock, tokio::io::Interest::READABLE) }
+        .map_err(io::Error::from)
+}
+
+/// Wait until `sock` (a non-blocking socket, not otherwise registered with
+/// the reactor) takes writes again. The socket is registered for write
+/// interest only while this waits: senders whose buffer never fills leave
+/// no write interest behind (see [`register_udp`] for why that matters).
+pub(crate) async fn writable(sock: &impl AsFd) -> io::Result<()> {
+    let fd = sock.as_fd();
+    // SAFETY: `fd` borrows `sock`, which this function borrows for as long as
+    // the `AsyncFd` lives (it is dropped, and the fd deregistered, before
+    // the function returns), so the fd stays open and names the same socket;
+    // a `BorrowedFd` returns the same raw fd every time. The socket must not
+    // be registered with this reactor elsewhere (epoll refuses a second
+    // registration of one fd; the error is returned).
+    let w = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::WRITABLE) }
+        .map_err(io::Error::from)?;
+    let mut ready = w.writable().await?;
+    ready.retain_ready();
+    Ok(())
 }
 
 /// `SO_ATTACH_REUSEPORT_CBPF` (asm-generic/socket.h; libc only exports it for Android).
@@ -153,6 +177,42 @@ pub(crate) fn path_mtu(_local: std::net::IpAddr, _peer: std::net::IpAddr) -> io:
 mod tests {
     use super::*;
     use std::net::UdpSocket;
+
+    /// A socket whose buffer is full: `writable` waits until a reader
+    /// drains its peer (a Unix datagram pair: its sender blocks on the
+    /// receiver's queue, where UDP would drop), and the socket can be
+    /// waited on again afterwards (the registration went with the wait).
+    #[tokio::test]
+    async fn writable_waits_for_room_and_leaves_no_registration() {
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut sent = 0u64;
+        while a.send(&[7u8; 1024]).is_ok() {
+            sent += 1;
+        }
+        assert!(sent > 0);
+        let wait = writable(&a);
+        tokio::pin!(wait);
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), &mut wait)
+                .await
+                .is_err(),
+            "a full socket is not writable"
+        );
+        let mut buf = [0u8; 2048];
+        for _ in 0..sent {
+            assert_eq!(b.recv(&mut buf).unwrap(), 1024);
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(5), wait)
+            .await
+            .expect("writable once drained")
+            .unwrap();
+        // Registered only while waiting: a second wait registers afresh.
+        tokio::time::timeout(std::time::Duration::from_secs(5), writable(&a))
+            .await
+            .expect("still writable")
+            .unwrap();
+    }
 
     fn reuseport_pair() -> (UdpSocket, UdpSocket) {
         let bind = |port: u16| {

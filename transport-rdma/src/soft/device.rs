@@ -40,8 +40,6 @@ use rdmx_roce_proto::{
     Completion, FramePath, Packet, Qp, QpConfig, QpStats, RoceFrame, WorkRequest,
 };
 use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
-use tokio::net::UdpSocket;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
@@ -648,7 +646,11 @@ fn soft_cq(cq: &Arc<dyn CompletionQueue>) -> Result<Arc<SoftCq>> {
 }
 
 struct Tx {
-    sock: UdpSocket,
+    /// Non-blocking and not registered with the reactor: sends go straight
+    /// to the kernel, and only the flusher of a full buffer waits for room
+    /// ([`crate::sys::writable`]). Registered, every datagram the kernel
+    /// frees would report "writable" and wake the thread in `epoll`.
+    sock: std::net::UdpSocket,
     state: UdpSocketState,
     local: SocketAddr,
     /// Exact IPv4 mode (see [`SoftConfig::exact_ipv4`]).
@@ -960,9 +962,7 @@ impl RawTx {
 /// (no route, peer port unreachable) lose the packet as a link would, and RC
 /// recovery retransmits it or reports the peer unreachable.
 fn try_send(tx: &Tx, t: &Transmit<'_>) -> io::Result<()> {
-    match tx.sock.try_io(Interest::WRITABLE, || {
-        tx.state.try_send((&tx.sock).into(), t)
-    }) {
+    match tx.state.try_send((&tx.sock).into(), t) {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(e),
         Err(e) => {
             debug!(dst = %t.destination, "soft RoCE send: {e}");
@@ -1324,7 +1324,7 @@ impl SoftQp {
                 let Some(tx) = qp.inner.lock().tx.clone() else {
                     return;
                 };
-                if tx.sock.writable().await.is_err() {
+                if crate::sys::writable(&tx.sock).await.is_err() {
                     return;
                 }
                 let mut g = qp.inner.lock();
@@ -1501,8 +1501,7 @@ impl QueuePair for SoftQpHandle {
             let local = std_tx
                 .local_addr()
                 .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
-            let sock = UdpSocket::from_std(std_tx)
-                .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
+            let sock = std_tx;
             let raw = match (
                 qp.dev.cfg.exact_ipv4,
                 local.ip(),

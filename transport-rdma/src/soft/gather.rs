@@ -7,9 +7,9 @@
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 
+use std::net::UdpSocket;
+
 use bytes::Bytes;
-use tokio::io::Interest;
-use tokio::net::UdpSocket;
 
 /// One datagram of a gathered send.
 #[derive(Debug)]
@@ -123,13 +123,11 @@ pub(crate) fn send(
     };
     let ctl = control(dst.is_ipv6() && !is_v4_mapped(&dst), ecn, segment);
     let addr = socket2::SockAddr::from(dst);
-    sock.try_io(Interest::WRITABLE, || {
-        let mut msg = socket2::MsgHdr::new().with_addr(&addr).with_buffers(&iov);
-        if !ctl.is_empty() {
-            msg = msg.with_control(&ctl);
-        }
-        socket2::SockRef::from(sock).sendmsg(&msg, 0).map(|_| ())
-    })
+    let mut msg = socket2::MsgHdr::new().with_addr(&addr).with_buffers(&iov);
+    if !ctl.is_empty() {
+        msg = msg.with_control(&ctl);
+    }
+    socket2::SockRef::from(sock).sendmsg(&msg, 0).map(|_| ())
 }
 
 fn is_v4_mapped(a: &SocketAddr) -> bool {
@@ -150,7 +148,8 @@ mod tests {
             rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
                 .unwrap();
             let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
-            let tx = UdpSocket::bind((ip, 0)).await.unwrap();
+            let tx = UdpSocket::bind((ip, 0)).unwrap();
+            tx.set_nonblocking(true).unwrap();
             // Three datagrams of 1100 bytes and a shorter last one; the
             // payloads are separate buffers, one of them empty.
             let mut scratch = Vec::new();
@@ -182,7 +181,7 @@ mod tests {
                 want.iter().map(Vec::len).collect::<Vec<_>>(),
                 [1100, 1100, 1100, 319]
             );
-            tx.writable().await.unwrap();
+            crate::sys::writable(&tx).await.unwrap();
             send(
                 &tx,
                 tx.local_addr().unwrap(),

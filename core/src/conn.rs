@@ -332,6 +332,7 @@ impl Connection {
     pub fn new(raw: Arc<dyn RawConnection>, op_timeout: Duration) -> Connection {
         let info = Arc::new(raw.info());
         crate::metrics::track(&raw, &info);
+        crate::deadline_anchor::ensure();
         Connection {
             raw,
             info,

@@ -52,6 +52,7 @@
 
 pub mod caps;
 pub mod conn;
+pub mod deadline_anchor;
 pub mod error;
 pub mod lanes;
 pub mod memory;

@@ -241,6 +241,34 @@ impl Suite {
             Err(Error::ResourceExhausted(_)) => {}
             other => panic!("oversized message in a batch: {other:?}"),
         }
+        // post_send (done when posted, not when acknowledged) keeps its
+        // place among sends, through more messages than the receive credits
+        // (so posting waits for credits part-way), each whole.
+        let sends_before = p.client.stats().sends;
+        let sender = {
+            let c = p.client.clone();
+            tokio::spawn(async move {
+                for i in 0..600u64 {
+                    let m = pattern(50_000 + i, (i * 37 % 9000) as usize);
+                    if i % 3 == 0 {
+                        c.send(m).await.expect("send");
+                    } else {
+                        c.post_send(m).await.expect("post_send");
+                    }
+                }
+            })
+        };
+        for i in 0..600u64 {
+            let m = p.server.recv_message().await.expect("recv");
+            let want = pattern(50_000 + i, (i * 37 % 9000) as usize);
+            assert_eq!(sha(&m), sha(&want), "posted message {i}");
+        }
+        sender.await.unwrap();
+        assert_eq!(p.client.stats().sends - sends_before, 600);
+        match p.client.post_send(vec![0u8; too_big]).await {
+            Err(Error::ResourceExhausted(_)) => {}
+            other => panic!("oversized posted message: {other:?}"),
+        }
     }
 
     /// Reads and writes at region edges, unaligned, zero-length, last byte;
@@ -987,6 +1015,25 @@ impl Suite {
             p.server.send(&b"x"[..]).await,
             Err(Error::Disconnected(_))
         ));
+        // Messages posted (not yet acknowledged) right before a close still
+        // arrive, all of them, before the disconnect.
+        let p = self.pair().await;
+        for i in 0..100u64 {
+            p.client
+                .post_send(pattern(i, 1000 + i as usize))
+                .await
+                .unwrap();
+        }
+        p.client.close().await.unwrap();
+        for i in 0..100u64 {
+            let m = p.server.recv_message().await.expect("posted before close");
+            assert_eq!(
+                sha(&m),
+                sha(&pattern(i, 1000 + i as usize)),
+                "posted message {i}"
+            );
+        }
+        assert!(matches!(p.server.recv().await, Err(Error::Disconnected(_))));
     }
 
     /// Per-call deadlines override the default, and counters count.

@@ -99,6 +99,15 @@ pub trait RawConnection: Send + Sync + 'static {
     fn domain(&self) -> &Domain;
     /// Send one message; waits for a receive credit.
     fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>>;
+    /// Send one message, returning once it is posted (in order behind
+    /// everything posted before it) rather than when it completes (on RDMA,
+    /// when the peer acknowledges it). A failure after posting is not
+    /// reported here: the transport fails the connection, so later
+    /// operations (the receive of an answer) see it. The default waits for
+    /// the completion, as [`RawConnection::send`].
+    fn post_send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
+        self.send(msg)
+    }
     /// Send several messages in order, as one unit where the transport can
     /// (one `writev` for TCP). The default starts every send at once, in
     /// order (each posted before the next one is polled), and waits for all.
@@ -419,6 +428,16 @@ impl Connection {
         let msg = msg.into();
         let len = msg.len() as u64;
         self.op(OpKind::Send, len, self.raw.send(msg))
+    }
+
+    /// Send a message and finish once it is posted, not when it completes:
+    /// for a request whose answer proves its delivery (an RPC call), so the
+    /// acknowledgement wakes nobody. A send that fails after posting fails
+    /// the connection (see [`RawConnection::post_send`]).
+    pub fn post_send(&self, msg: impl Into<Bytes>) -> Op<()> {
+        let msg = msg.into();
+        let len = msg.len() as u64;
+        self.op(OpKind::Send, len, self.raw.post_send(msg))
     }
 
     /// Send several messages in order, as one unit where the transport can

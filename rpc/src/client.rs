@@ -255,7 +255,7 @@ impl Client {
                     .ok_or_else(|| RpcError::Protocol("bad rendezvous descriptor".into()))?;
                 let body = inner.conn.read(src).await?;
                 let rel = Frame::new(Kind::Release, method, call);
-                inner.conn.send(rel.encode()).await?;
+                inner.conn.post_send(rel.encode()).await?;
                 Ok(body)
             }
             Status::Ok => Ok(resp.body),

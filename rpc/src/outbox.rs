@@ -90,7 +90,12 @@ impl Outbox {
             }
         };
         if let Some(frame) = direct {
-            return Ok(self.conn.send(frame).await?);
+            // Posted, not acknowledged: the answer proves delivery, and the
+            // peer's acknowledgement (held to ride with that answer on soft
+            // RoCE) then wakes nobody but the task that reads the answer
+            // (two tasks woken by one batch make tokio hand one to another
+            // worker). A send failing after posting fails the connection.
+            return Ok(self.conn.post_send(frame).await?);
         }
         // This sender queued first: it flushes once the tick's other ready
         // tasks have had their turn to add frames.

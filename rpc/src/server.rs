@@ -408,6 +408,10 @@ impl Server {
         };
         tasks.abort_all();
         let _ = outbox.flush().await;
+        // A graceful close: answers that were posted but not yet
+        // acknowledged (handlers post theirs, see `Outbox::send`) reach the
+        // client before the connection ends.
+        let _ = conn.close().await;
         result
     }
 }

@@ -343,6 +343,9 @@ struct Pending {
     first_psn: u32,
     npkts: u32,
     reply: Option<Reply>,
+    /// Posted by [`RawConnection::post_send`]: nobody waits for its
+    /// completion, so a failure of it fails the connection instead.
+    detached: bool,
     /// Its place among the connection's `max_inflight` (and the send queue).
     _permit: OwnedSemaphorePermit,
 }
@@ -411,6 +414,8 @@ pub(crate) struct Shared {
     /// One permit per operation in flight (`Options::max_inflight`, also the
     /// send queue depth): later operations wait, as the capabilities say.
     inflight: Arc<Semaphore>,
+    /// Permits `inflight` was made with (all free: nothing in flight).
+    inflight_max: u32,
     dead: Mutex<Option<Error>>,
     is_dead: AtomicBool,
     stop: Notify,
@@ -583,6 +588,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         credit_notify: Notify::new(),
         send_order: tokio::sync::Mutex::new(()),
         inflight: Arc::new(Semaphore::new(max_inflight.max(1) as usize)),
+        inflight_max: max_inflight.max(1),
         dead: Mutex::new(None),
         is_dead: AtomicBool::new(false),
         stop: Notify::new(),
@@ -792,6 +798,19 @@ impl Shared {
         permit: OwnedSemaphorePermit,
     ) -> Result<oneshot::Receiver<Result<WorkCompletion>>> {
         let (tx, rx) = oneshot::channel();
+        self.submit_with(op, permit, Some(tx))?;
+        Ok(rx)
+    }
+
+    /// Post `op` with `reply` for its completion (`None`: detached, see
+    /// [`Pending::detached`]).
+    fn submit_with(
+        &self,
+        op: SendOp,
+        permit: OwnedSemaphorePermit,
+        reply: Option<Reply>,
+    ) -> Result<()> {
+        let detached = reply.is_none();
         let mut st = self.st.lock();
         // Checked under the state lock: `die` takes the same lock after
         // marking the connection dead, so an operation is either in `pending`
@@ -809,14 +828,15 @@ impl Shared {
             qpn: 0,
             first_psn: 0,
             npkts: 0,
-            reply: Some(tx),
+            reply,
+            detached,
             _permit: permit,
         };
         if !st.resetting {
             Self::post(&mut st, self.path.mtu, wr_id, &mut p)?;
         }
         st.pending.insert(wr_id, p);
-        Ok(rx)
+        Ok(())
     }
 
     fn post(st: &mut State, mtu: u32, wr_id: u64, p: &mut Pending) -> Result<()> {
@@ -885,6 +905,11 @@ impl Shared {
             WcStatus::Flushed => self.begin_reset(&mut st),
             WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest => {
                 let mut p = st.pending.remove(&wc.wr_id).expect("present");
+                if p.detached {
+                    drop(st);
+                    self.die(status_error(wc.status));
+                    return;
+                }
                 let reply = p.reply.take();
                 let target = match p.op {
                     SendOp::Write { dst, .. } => Some((dst, Access::REMOTE_WRITE)),
@@ -920,6 +945,11 @@ impl Shared {
             }
             s => {
                 let mut p = st.pending.remove(&wc.wr_id).expect("present");
+                if p.detached {
+                    drop(st);
+                    self.die(status_error(s));
+                    return;
+                }
                 if let Some(r) = p.reply.take() {
                     let _ = r.send(Err(status_error(s)));
                 }
@@ -1211,6 +1241,7 @@ impl Shared {
                 op: p.op.clone(),
             });
         }
+        let mut lost_detached = None;
         match st.qp.post_send_batch(wrs) {
             Ok(()) => st.next_psn = psn,
             Err(e) => {
@@ -1218,12 +1249,20 @@ impl Shared {
                     if let Some(r) = p.reply.take() {
                         done.push((r, Err(e.clone())));
                     }
+                    if p.detached {
+                        lost_detached = Some(e.clone());
+                    }
                 }
             }
         }
         debug!(gen, qpn = st.qp.qpn(), "QP replaced");
         for (r, v) in done {
             let _ = r.send(v);
+        }
+        if let Some(e) = lost_detached {
+            // A message nobody waits for could not be posted again: the
+            // connection cannot keep its promise of order and delivery.
+            self.die(e);
         }
     }
 
@@ -1285,6 +1324,9 @@ fn check_rdma_size(what: &str, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// How long a graceful close waits for posted operations to complete.
+const CLOSE_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 async fn wait(
     rx: oneshot::Receiver<Result<WorkCompletion>>,
     sh: &Shared,
@@ -1325,6 +1367,29 @@ impl RawConnection for RdmaConnection {
             )?;
             drop(order);
             wait(rx, &sh).await.map(|_| ())
+        })
+    }
+
+    fn post_send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            let len = msg.len() as u64;
+            sh.check_message(len)?;
+            let order = sh.send_order.lock().await;
+            let permit = sh.permit().await?;
+            sh.take_credit(len).await?;
+            // No receiver for the completion: its ACK wakes nobody (a
+            // caller that waits for an answer is woken by the answer alone).
+            sh.submit_with(
+                SendOp::Send {
+                    sg: vec![msg],
+                    imm: None,
+                },
+                permit,
+                None,
+            )?;
+            drop(order);
+            Ok(())
         })
     }
 
@@ -1456,6 +1521,14 @@ impl RawConnection for RdmaConnection {
     fn close(&self) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
         Box::pin(async move {
+            // What was posted reaches the peer first (a post_send returns
+            // before its acknowledgement), as TCP delivers what close()
+            // finds in its send buffer: every permit free means every
+            // posted operation completed. A dead connection closes the
+            // semaphore (the wait ends at once); a peer that stops
+            // acknowledging is waited for at most CLOSE_DRAIN.
+            let _ =
+                tokio::time::timeout(CLOSE_DRAIN, sh.inflight.acquire_many(sh.inflight_max)).await;
             let _ = sh.ctl.send(Ctl::Close);
             sh.die(Error::Disconnected("connection closed locally".into()));
             Ok(())

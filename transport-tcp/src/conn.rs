@@ -158,6 +158,8 @@ pub(crate) struct Shared {
 
     recv: Mutex<RecvState>,
     recv_wake: Notify,
+    /// Woken (all waiters) when the connection is marked dead.
+    closed_wake: Notify,
 
     closed: Mutex<Option<Error>>,
 }
@@ -264,6 +266,7 @@ impl TcpConnection {
                 peer_bytes_left: s.agreed.ours.window,
             }),
             recv_wake: Notify::new(),
+            closed_wake: Notify::new(),
             closed: Mutex::new(None),
         });
         let span = tracing::info_span!(
@@ -306,6 +309,7 @@ impl Shared {
         self.recv_wake.notify_waiters();
         self.writer_wake.notify_one();
         self.write_drained.notify_waiters();
+        self.closed_wake.notify_waiters();
         let _ = socket2::SockRef::from(&self.stream).shutdown(std::net::Shutdown::Both);
     }
 
@@ -1381,10 +1385,35 @@ impl Shared {
         }
         self.enqueue(OutFrame::new(Header::new(Kind::Close), Bytes::new()))?;
         self.flush().await;
+        // Half-close, and let the reader take what the peer still sends
+        // (credit returns for the messages it is reading) until the peer,
+        // having read our Close, closes too. Shutting the read side at once
+        // would make the kernel answer such data with a reset (RFC 1122
+        // 4.2.2.13; Linux does so in FIN_WAIT), and the reset would throw
+        // away what the peer had received but not yet read.
+        let _ = socket2::SockRef::from(&self.stream).shutdown(std::net::Shutdown::Write);
+        let deadline = Instant::now() + CLOSE_LINGER;
+        loop {
+            let gone = self.closed_wake.notified();
+            tokio::pin!(gone);
+            gone.as_mut().enable();
+            if self.closed_error().is_some() {
+                break;
+            }
+            if tokio::time::timeout_at(deadline.into(), gone)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
         self.fail(Error::Disconnected("connection closed locally".into()));
         Ok(())
     }
 }
+
+/// How long a graceful close waits for the peer to close its side.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
 
 struct PendingGuard<'a> {
     shared: &'a Shared,

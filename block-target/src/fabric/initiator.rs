@@ -285,7 +285,9 @@ impl QueueConn {
         let mut b = BytesMut::with_capacity(SQE_LEN + in_capsule.len());
         b.put_slice(&sqe.encode());
         b.put_slice(in_capsule);
-        if let Err(e) = self.conn.send(b.freeze()).await {
+        // Posted, not acknowledged: the response proves delivery, and a
+        // send failing after posting fails the connection (and this wait).
+        if let Err(e) = self.conn.post_send(b.freeze()).await {
             self.pending.lock().remove(&cid);
             return Err(e.into());
         }

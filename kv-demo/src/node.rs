@@ -296,7 +296,7 @@ fn service(store: Arc<Mutex<Store>>, epoch: u64) -> Service {
             "set",
             on_store(s, |st, r: SetReq, now| {
                 let done = st
-                    .set_located(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
+                    .set(&r.key, &r.value, r.flags, expiry(r.ttl, now), r.cond, now)
                     .map_err(|e| e.to_string())?;
                 let placed = done.entry.map(|e| Placed {
                     offset: e.offset,

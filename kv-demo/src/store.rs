@@ -133,7 +133,7 @@ struct Found {
     header: Header,
 }
 
-/// What [`Store::set_located`] did.
+/// What [`Store::set`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SetOutcome {
     /// Whether the value was stored (NX / XX may refuse).
@@ -509,23 +509,10 @@ impl Store {
     }
 
     /// Store `value` under `key` if `cond` holds; returns whether it was
-    /// stored and the previous value (SET … GET).
+    /// stored, the previous value (SET … GET) and the index entry of the
+    /// item it wrote (a client remembers it, so that its next GET of the key
+    /// is one read).
     pub fn set(
-        &mut self,
-        key: &[u8],
-        value: &[u8],
-        flags: u32,
-        expiry: Expiry,
-        cond: Cond,
-        now: u64,
-    ) -> Result<(bool, Option<Vec<u8>>), StoreError> {
-        self.set_located(key, value, flags, expiry, cond, now)
-            .map(|o| (o.stored, o.old))
-    }
-
-    /// [`Store::set`], also returning the index entry of the item it wrote
-    /// (a client remembers it, so that its next GET of the key is one read).
-    pub fn set_located(
         &mut self,
         key: &[u8],
         value: &[u8],
@@ -833,12 +820,15 @@ mod tests {
         let mut s = store(8);
         assert_eq!(
             s.set(b"k", b"v1", 3, Expiry::Never, Cond::Always, 1)
+                .map(|o| (o.stored, o.old))
                 .unwrap(),
             (true, None)
         );
         assert_eq!(s.get(b"k", 1), Some((b"v1".to_vec(), 3)));
         assert_eq!(one_sided(&s, b"k"), Some(b"v1".to_vec()));
-        let (ok, old) = s
+        let SetOutcome {
+            stored: ok, old, ..
+        } = s
             .set(b"k", b"second", 0, Expiry::Never, Cond::IfPresent, 2)
             .unwrap();
         assert!(ok);
@@ -847,7 +837,7 @@ mod tests {
         assert!(
             !s.set(b"k", b"x", 0, Expiry::Never, Cond::IfAbsent, 3)
                 .unwrap()
-                .0
+                .stored
         );
         assert_eq!(s.items(), 1);
         assert_eq!(s.del(&[&b"k"[..], b"k", b"nope"], 4), 1);
@@ -1054,7 +1044,7 @@ mod tests {
         assert!(
             s.set(b"", b"empty key", 0, Expiry::Never, Cond::Always, 0)
                 .unwrap()
-                .0
+                .stored
         );
         assert_eq!(s.get(b"", 0).unwrap().0, b"empty key");
         let long = vec![b'k'; MAX_KEY + 1];
@@ -1067,7 +1057,7 @@ mod tests {
         assert!(
             s.set(b"k", &just, 0, Expiry::Never, Cond::Always, 0)
                 .unwrap()
-                .0
+                .stored
         );
         assert_eq!(one_sided(&s, b"k"), Some(just));
         assert!(Store::new(&Domain::new(), 1 << 20).is_err());

@@ -802,6 +802,27 @@ impl Shared {
         Ok(rx)
     }
 
+    /// Post a SEND of `msg` in order among the connection's sends, once a
+    /// place in flight and a receive credit are free; `reply` gets its
+    /// completion (`None`: detached).
+    async fn post_message(&self, msg: Bytes, reply: Option<Reply>) -> Result<()> {
+        let len = msg.len() as u64;
+        self.check_message(len)?;
+        let order = self.send_order.lock().await;
+        let permit = self.permit().await?;
+        self.take_credit(len).await?;
+        self.submit_with(
+            SendOp::Send {
+                sg: vec![msg],
+                imm: None,
+            },
+            permit,
+            reply,
+        )?;
+        drop(order);
+        Ok(())
+    }
+
     /// Post `op` with `reply` for its completion (`None`: detached, see
     /// [`Pending::detached`]).
     fn submit_with(
@@ -1353,44 +1374,17 @@ impl RawConnection for RdmaConnection {
     fn send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
         Box::pin(async move {
-            let len = msg.len() as u64;
-            sh.check_message(len)?;
-            let order = sh.send_order.lock().await;
-            let permit = sh.permit().await?;
-            sh.take_credit(len).await?;
-            let rx = sh.submit(
-                SendOp::Send {
-                    sg: vec![msg],
-                    imm: None,
-                },
-                permit,
-            )?;
-            drop(order);
+            let (tx, rx) = oneshot::channel();
+            sh.post_message(msg, Some(tx)).await?;
             wait(rx, &sh).await.map(|_| ())
         })
     }
 
     fn post_send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
-        Box::pin(async move {
-            let len = msg.len() as u64;
-            sh.check_message(len)?;
-            let order = sh.send_order.lock().await;
-            let permit = sh.permit().await?;
-            sh.take_credit(len).await?;
-            // No receiver for the completion: its ACK wakes nobody (a
-            // caller that waits for an answer is woken by the answer alone).
-            sh.submit_with(
-                SendOp::Send {
-                    sg: vec![msg],
-                    imm: None,
-                },
-                permit,
-                None,
-            )?;
-            drop(order);
-            Ok(())
-        })
+        // No receiver for the completion: its ACK wakes nobody (a caller
+        // that waits for an answer is woken by the answer alone).
+        Box::pin(async move { sh.post_message(msg, None).await })
     }
 
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {

@@ -342,10 +342,11 @@ struct Pending {
     qpn: u32,
     first_psn: u32,
     npkts: u32,
+    /// Who waits for its completion. `None`: posted by
+    /// [`RawConnection::post_send`], so a failure of it fails the
+    /// connection instead (a reply is only taken when the operation leaves
+    /// `pending`).
     reply: Option<Reply>,
-    /// Posted by [`RawConnection::post_send`]: nobody waits for its
-    /// completion, so a failure of it fails the connection instead.
-    detached: bool,
     /// Its place among the connection's `max_inflight` (and the send queue).
     _permit: OwnedSemaphorePermit,
 }
@@ -824,14 +825,13 @@ impl Shared {
     }
 
     /// Post `op` with `reply` for its completion (`None`: detached, see
-    /// [`Pending::detached`]).
+    /// [`Pending::reply`]).
     fn submit_with(
         &self,
         op: SendOp,
         permit: OwnedSemaphorePermit,
         reply: Option<Reply>,
     ) -> Result<()> {
-        let detached = reply.is_none();
         let mut st = self.st.lock();
         // Checked under the state lock: `die` takes the same lock after
         // marking the connection dead, so an operation is either in `pending`
@@ -850,7 +850,6 @@ impl Shared {
             first_psn: 0,
             npkts: 0,
             reply,
-            detached,
             _permit: permit,
         };
         if !st.resetting {
@@ -926,7 +925,7 @@ impl Shared {
             WcStatus::Flushed => self.begin_reset(&mut st),
             WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest => {
                 let mut p = st.pending.remove(&wc.wr_id).expect("present");
-                if p.detached {
+                if p.reply.is_none() {
                     drop(st);
                     self.die(status_error(wc.status));
                     return;
@@ -966,7 +965,7 @@ impl Shared {
             }
             s => {
                 let mut p = st.pending.remove(&wc.wr_id).expect("present");
-                if p.detached {
+                if p.reply.is_none() {
                     drop(st);
                     self.die(status_error(s));
                     return;
@@ -1267,11 +1266,9 @@ impl Shared {
             Ok(()) => st.next_psn = psn,
             Err(e) => {
                 for (_, mut p) in std::mem::take(&mut st.pending) {
-                    if let Some(r) = p.reply.take() {
-                        done.push((r, Err(e.clone())));
-                    }
-                    if p.detached {
-                        lost_detached = Some(e.clone());
+                    match p.reply.take() {
+                        Some(r) => done.push((r, Err(e.clone()))),
+                        None => lost_detached = Some(e.clone()),
                     }
                 }
             }

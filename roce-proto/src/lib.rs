@@ -24,7 +24,7 @@ pub use memory::{Atomic, MemError, Memory, Need, VecMemory};
 pub use opcode::{Opcode, Transport};
 pub use packet::{Aeth, AtomicEth, Bth, DecodeError, Deth, NakCode, Packet, Reth, Syndrome};
 pub use qp::{
-    Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, WcOpcode, WcStatus,
+    Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, Timeouts, WcOpcode, WcStatus,
     WorkRequest, ACK_HOLD_MAX_PACKETS,
 };
 pub use wire::{FrameError, FramePath, IcrcMismatch, RoceFrame, ROCEV2_PORT};

@@ -382,6 +382,23 @@ enum Resource {
     },
 }
 
+/// When a queue pair needs [`Qp::handle_timeout`] next, by kind (device
+/// nanoseconds; `None`: not for that). A driver may run the guards late:
+/// they only ever fire when something was lost, and otherwise move or go
+/// away before they come, so waking for each of them costs a wake-up per
+/// operation for nothing; the prompt ones must come on time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Waits that end in sending: pacing (DCQCN), an RNR NAK's delay, and
+    /// selective repeat's check that a resent packet got through.
+    pub prompt: Option<u64>,
+    /// Loss detection with nothing lost yet: the retransmission timer and
+    /// selective repeat's tail probe.
+    pub guard: Option<u64>,
+    /// The release of an ACK held for the application's answer.
+    pub ack_hold: Option<u64>,
+}
+
 /// Where READ data is gathered: `take(len)` gives a buffer of at least `len`
 /// bytes, `freeze(buf, len)` hands its first `len` bytes to the user. A
 /// transport plugs in a pool so large reads do not fault in fresh pages.
@@ -838,29 +855,32 @@ impl Qp {
     }
     /// When [`Qp::handle_timeout`] should be called next.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let hold = self.ack_hold_until.filter(|_| self.pending_ack.is_some());
-        [self.poll_timeout_urgent(), hold]
-            .into_iter()
-            .flatten()
-            .min()
+        let t = self.timeouts();
+        [t.prompt, t.guard, t.ack_hold].into_iter().flatten().min()
     }
 
     /// [`Qp::poll_timeout`] without a held ACK's release: a timer that
     /// runs late for that only delays an ACK the peer's timers allow for.
     pub fn poll_timeout_urgent(&self) -> Option<u64> {
+        let t = self.timeouts();
+        [t.prompt, t.guard].into_iter().flatten().min()
+    }
+
+    /// [`Qp::poll_timeout`] by kind, for a driver that would rather not wake
+    /// for guards that almost never fire (see [`Timeouts`]).
+    pub fn timeouts(&self) -> Timeouts {
         let pace = self.pace_blocked.then_some(self.next_send_at);
         let due = self.retx_due.iter().map(|&(_, _, due)| due).min();
-        [
-            self.retry_deadline,
-            self.rnr_until,
-            pace,
-            due,
-            self.tail_recheck_at,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+        Timeouts {
+            prompt: [self.rnr_until, pace, due].into_iter().flatten().min(),
+            guard: [self.retry_deadline, self.tail_recheck_at]
+                .into_iter()
+                .flatten()
+                .min(),
+            ack_hold: self.ack_hold_until.filter(|_| self.pending_ack.is_some()),
+        }
     }
+
     /// The next packet to send, if any (responses first, then requests).
     pub fn poll_transmit(&mut self, now: u64) -> Option<Packet> {
         if self.state == QpState::Reset {

@@ -11,7 +11,9 @@
 
 use std::io;
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use rustix::time::{
     timerfd_create, timerfd_settime, Itimerspec, TimerfdClockId, TimerfdFlags, TimerfdTimerFlags,
@@ -19,9 +21,16 @@ use rustix::time::{
 };
 use tokio::io::unix::AsyncFd;
 
-/// A one-shot timer on a `timerfd`.
+/// A one-shot timer on a `timerfd`, armed from any thread: the timer task
+/// waits on it, and a queue pair whose deadline comes before the one it is
+/// armed for arms it itself, with no wake-up of the timer task.
 pub(crate) struct PreciseTimer {
     fd: AsyncFd<OwnedFd>,
+    /// When the timer fires next (`None`: disarmed, or fired and read).
+    /// Held while arming and while reading an expiry, so that the two never
+    /// interleave: an arming that comes after the expiry it replaces resets
+    /// the kernel's count, and [`PreciseTimer::fired`] keeps waiting.
+    armed: Mutex<Option<Instant>>,
 }
 
 impl PreciseTimer {
@@ -33,20 +42,40 @@ impl PreciseTimer {
         )?;
         Ok(PreciseTimer {
             fd: crate::sys::register_fd(fd)?,
+            armed: Mutex::new(None),
         })
     }
 
-    /// Sleep for `d`: [`PreciseTimer::arm`], then [`PreciseTimer::fired`].
+    /// Sleep for `d`: [`PreciseTimer::arm_by`], then [`PreciseTimer::fired`].
     #[cfg(test)]
     pub(crate) async fn sleep(&self, d: Duration) -> io::Result<()> {
-        self.arm(d)?;
+        self.arm_by(Instant::now() + d)?;
         self.fired().await
     }
 
-    /// Arm the timer to fire once, `d` from now (at least 1 ns: a zero time
-    /// would disarm it), replacing any earlier arming. Re-arming also
-    /// clears an expiry nobody read (the kernel resets the count).
-    pub(crate) fn arm(&self, d: Duration) -> io::Result<()> {
+    /// Make the timer fire at `at` at the latest: arm it for `at` unless it
+    /// is armed for that or earlier already (one system call only when the
+    /// instant moves earlier). An instant already past fires at once.
+    pub(crate) fn arm_by(&self, at: Instant) -> io::Result<()> {
+        let mut armed = self.armed.lock();
+        if armed.is_some_and(|a| a <= at) {
+            return Ok(());
+        }
+        self.set(at.saturating_duration_since(Instant::now()))?;
+        *armed = Some(at);
+        Ok(())
+    }
+
+    /// When the timer is armed to fire (`None`: it is not).
+    #[cfg(test)]
+    pub(crate) fn armed(&self) -> Option<Instant> {
+        *self.armed.lock()
+    }
+
+    /// Arm the kernel's timer to fire once, `d` from now (at least 1 ns: a
+    /// zero time would disarm it), replacing any earlier arming. Re-arming
+    /// also clears an expiry nobody read (the kernel resets the count).
+    fn set(&self, d: Duration) -> io::Result<()> {
         let value = Timespec {
             tv_sec: d.as_secs() as _,
             tv_nsec: d.subsec_nanos().max(u32::from(d.as_secs() == 0)) as _,
@@ -63,14 +92,23 @@ impl PreciseTimer {
         Ok(())
     }
 
-    /// Wait until the armed timer fires (for ever if it is not armed).
-    /// Cancel-safe: dropping the future leaves the timer armed.
+    /// Wait until the armed timer fires (for ever if it is not armed);
+    /// then it is disarmed. Cancel-safe: dropping the future leaves the
+    /// timer armed.
     pub(crate) async fn fired(&self) -> io::Result<()> {
         loop {
             let mut ready = self.fd.readable().await?;
-            let fired = self.drain()?;
-            // Read or not, the fd is not readable now: the timer is one-shot
-            // and is armed again only by `arm`, after this returns.
+            let fired = {
+                let mut armed = self.armed.lock();
+                let fired = self.drain()?;
+                if fired {
+                    *armed = None;
+                }
+                fired
+            };
+            // Read or not, the fd is not readable now (an arming since
+            // reset the count). An expiry after this point is a new event,
+            // which `clear_ready` leaves alone (tokio compares the tick).
             ready.clear_ready();
             if fired {
                 return Ok(());
@@ -78,7 +116,7 @@ impl PreciseTimer {
         }
     }
 
-    /// Read the expiry count if there is one; true if the timer had fired.
+    /// Read an expiry if there is one.
     fn drain(&self) -> io::Result<bool> {
         let mut buf = [0u8; 8];
         match rustix::io::read(self.fd.get_ref(), &mut buf) {
@@ -92,7 +130,6 @@ impl PreciseTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Instant;
 
     /// Sleeps well below tokio's millisecond tick are not rounded up to it:
     /// of 50 sleeps of 200 µs none ends early and the quickest ends within
@@ -123,17 +160,30 @@ mod tests {
         );
     }
 
-    /// A sleep dropped before it fires leaves nothing behind that would end
-    /// the next sleep early.
+    /// Arming only ever moves the timer earlier; a fire disarms it, so the
+    /// next arming counts from scratch. A later instant than the armed one
+    /// leaves the timer alone (one system call per earlier instant, none
+    /// per later one), and the timer fires at the earliest asked for.
     #[tokio::test(flavor = "current_thread")]
-    async fn a_cancelled_sleep_does_not_end_the_next_one() {
+    async fn arming_only_moves_earlier_and_a_fire_disarms() {
         let t = PreciseTimer::new().unwrap();
-        let _ = tokio::time::timeout(
-            Duration::from_micros(50),
-            t.sleep(Duration::from_micros(300)),
-        )
-        .await;
-        std::thread::sleep(Duration::from_millis(1)); // the old expiry passes
+        let start = Instant::now();
+        let first = start + Duration::from_millis(50);
+        t.arm_by(first).unwrap();
+        t.arm_by(start + Duration::from_millis(100)).unwrap();
+        assert_eq!(t.armed(), Some(first), "a later instant changes nothing");
+        let soon = start + Duration::from_micros(300);
+        t.arm_by(soon).unwrap();
+        assert_eq!(t.armed(), Some(soon));
+        t.fired().await.unwrap();
+        let took = start.elapsed();
+        assert!(took >= Duration::from_micros(300), "woke early: {took:?}");
+        assert!(
+            took < Duration::from_millis(50),
+            "fired at the first arming's time, not the earlier one: {took:?}"
+        );
+        assert_eq!(t.armed(), None, "a fire disarms");
+        // Armed again from scratch: it does not fire before this instant.
         let start = Instant::now();
         t.sleep(Duration::from_millis(3)).await.unwrap();
         assert!(
@@ -141,5 +191,28 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    /// Another thread arms the timer while a task waits on it: the task
+    /// wakes when it fires (the queue pairs arm it from the worker they
+    /// run on, the timer task waits wherever it was last polled).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timer_armed_from_another_thread_wakes_its_waiter() {
+        let t = std::sync::Arc::new(PreciseTimer::new().unwrap());
+        let armer = t.clone();
+        let start = Instant::now();
+        let th = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            armer
+                .arm_by(Instant::now() + Duration::from_micros(200))
+                .unwrap();
+        });
+        tokio::time::timeout(Duration::from_secs(10), t.fired())
+            .await
+            .expect("the waiter woke")
+            .unwrap();
+        th.join().unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(2));
+        assert_eq!(t.armed(), None);
     }
 }

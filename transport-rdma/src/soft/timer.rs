@@ -37,19 +37,21 @@ impl TimerTarget {
     /// A QP's deadline became `deadline`, of which only `urgent` must be
     /// kept (a held ACK's release may wait for the next pass the task makes
     /// anyway, as long as there is one: a task sleeping with no target is
-    /// woken for it). Returns whether the timer task must be woken.
-    pub(crate) fn lower_lazily(&self, deadline: u64, urgent: u64) -> bool {
+    /// woken for it). Returns when the timer task must wake (the deadline
+    /// that lowered its target), or `None` if its target already does.
+    pub(crate) fn lower_lazily(&self, deadline: u64, urgent: u64) -> Option<u64> {
         if urgent <= deadline {
-            return self.lower(deadline);
+            return self.lower(deadline).then_some(deadline);
         }
         if self.lower(urgent) {
-            return true;
+            return Some(urgent);
         }
         // The task sleeps to a target (it will scan, and see `deadline`),
         // or to none: then it must hear of this one.
         self.0
             .compare_exchange(u64::MAX, deadline, SeqCst, SeqCst)
             .is_ok()
+            .then_some(deadline)
     }
 
     /// The timer task starts a scan of the QPs' deadlines.
@@ -96,13 +98,21 @@ mod tests {
         let t = TimerTarget::new();
         t.begin_scan();
         assert_eq!(t.end_scan(u64::MAX), u64::MAX);
-        assert!(t.lower_lazily(300, u64::MAX), "no target: woken");
-        assert!(!t.lower_lazily(200, u64::MAX), "a target: the pass sees it");
-        assert!(!t.lower_lazily(250, 900), "urgent after the target");
-        assert!(t.lower_lazily(100, 150), "urgent before the target");
+        assert_eq!(t.lower_lazily(300, u64::MAX), Some(300), "no target: woken");
+        assert_eq!(
+            t.lower_lazily(200, u64::MAX),
+            None,
+            "a target: the pass sees it"
+        );
+        assert_eq!(t.lower_lazily(250, 900), None, "urgent after the target");
+        assert_eq!(
+            t.lower_lazily(100, 150),
+            Some(150),
+            "urgent before the target: woken for the urgent one"
+        );
         t.begin_scan();
         assert_eq!(t.end_scan(u64::MAX), u64::MAX);
-        assert!(t.lower_lazily(500, 500), "no hold: as lower()");
+        assert_eq!(t.lower_lazily(500, 500), Some(500), "no hold: as lower()");
     }
 
     #[test]

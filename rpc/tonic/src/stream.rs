@@ -4,8 +4,8 @@
 //! the caller's bytes are borrowed). A flush does not wait for the peer's
 //! acknowledgement, as a flush to a TCP socket does not wait for the peer's
 //! ACK. A flush that finds the sender idle and at most [`DIRECT_MAX`] bytes
-//! buffered starts its send itself (no task hop for a small message; the
-//! sender is not woken when that send completes at once), up to
+//! buffered posts its send itself (no task hop for a small message, and
+//! none when the peer acknowledges it: `Connection::post_send`), up to
 //! [`DIRECT_PER_TICK`] times until the stream's task reads again;
 //! otherwise the sender lets the scheduler tick finish first, so that
 //! everything written in that tick (HTTP/2 flushes after every 16 KiB frame)
@@ -266,9 +266,11 @@ async fn sender(conn: Connection, out: Arc<Mutex<Outgoing>>) {
         if o.flush && !o.buf.is_empty() {
             // Flushed: send once the rest of this tick has written too.
             match tick {
-                // Nothing in flight: a lone flush goes at once, as a lone
-                // call does in rdmx-rpc.
-                Tick::Idle if sends.is_empty() => {
+                // Nothing in flight (nor posted by the writer since its
+                // task last read, which a send in flight would have
+                // shown): a lone flush goes at once, as a lone call does in
+                // rdmx-rpc.
+                Tick::Idle if sends.is_empty() && o.direct_sends == 0 => {
                     tick = Tick::Over;
                     drop(o);
                     continue;
@@ -417,7 +419,14 @@ impl AsyncWrite for RdmxStream {
             o.flush = false;
         }
         drop(o);
-        let mut f: BoxFuture<rdmx_core::Result<()>> = Box::pin(self.conn.send(msg).into_future());
+        // Posted, not awaited until the peer acknowledges it: on RDMA a send
+        // completes on the peer's ACK, and that completion woke the sender
+        // task twice per message (to adopt the send, then to finish it),
+        // two more tasks made ready beside the one reading the answer, which
+        // tokio handed to the other worker. The stream's bytes are delivered
+        // all the same, or the connection fails.
+        let mut f: BoxFuture<rdmx_core::Result<()>> =
+            Box::pin(self.conn.post_send(msg).into_future());
         let r = f.as_mut().poll(cx);
         let mut o = self.out.lock();
         o.writer_sending = false;
@@ -461,21 +470,17 @@ mod tests {
     use rdmx_core::{Options, Transport};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Request and response, each small and flushed (a unary gRPC call):
-    /// each flush sends from the writing task and leaves the sender task
-    /// asleep (every one of them woke it before: a thread woken for nothing
-    /// on a multi-threaded runtime). Every byte is checked.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn ping_pong_leaves_the_sender_asleep() {
-        const N: u32 = 200;
-        let t = rdmx_transport_tcp::TcpTransport::new();
-        let mut l = t.listen("127.0.0.1:0", &Options::default()).await.unwrap();
-        let addr = l.local_addr().to_string();
-        let (c, s) = tokio::join!(t.connect(&addr, &Options::default()), l.accept());
-        let (mut a, mut b) = (RdmxStream::new(c.unwrap()), RdmxStream::new(s.unwrap()));
+    /// Request and response, each small and flushed (a unary gRPC call),
+    /// `n` times over `c` and `s`: each flush sends from the writing task and
+    /// leaves the sender task asleep (every one of them woke it before: a
+    /// thread woken for nothing on a multi-threaded runtime; on RDMA, where
+    /// a send completes on the peer's ACK, twice: to adopt the send and to
+    /// finish it). Every byte is checked. Returns the sender wake-ups.
+    async fn ping_pong_sender_wakes(c: Connection, s: Connection, n: u32) -> u64 {
+        let (mut a, mut b) = (RdmxStream::new(c), RdmxStream::new(s));
         let wakes = |x: &RdmxStream| x.out.lock().sender_wakes;
         let (a0, b0) = (wakes(&a), wakes(&b));
-        for i in 0..N {
+        for i in 0..n {
             let mut got = [0u8; 4];
             a.write_all(&i.to_le_bytes()).await.unwrap();
             a.flush().await.unwrap();
@@ -487,7 +492,44 @@ mod tests {
             assert_eq!(got, i.to_le_bytes());
         }
         let woken = wakes(&a) - a0 + wakes(&b) - b0;
-        eprintln!("{} flushes woke the sender tasks {woken} times", 2 * N);
+        eprintln!("{} flushes woke the sender tasks {woken} times", 2 * n);
+        woken
+    }
+
+    async fn pair(t: &dyn Transport, at: &str) -> (Connection, Connection) {
+        let mut l = t.listen(at, &Options::default()).await.unwrap();
+        let addr = l.local_addr().to_string();
+        let (c, s) = tokio::join!(t.connect(&addr, &Options::default()), l.accept());
+        (c.unwrap(), s.unwrap())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_leaves_the_sender_asleep() {
+        const N: u32 = 200;
+        let (c, s) = pair(&rdmx_transport_tcp::TcpTransport::new(), "127.0.0.1:0").await;
+        let woken = ping_pong_sender_wakes(c, s, N).await;
+        assert!(
+            woken <= u64::from(N) / 5,
+            "{woken} wake-ups for {} flushes",
+            2 * N
+        );
+    }
+
+    /// The same over soft RoCE: a flush posts its send, so the peer's ACK
+    /// wakes no sender task (it woke one twice per flush before).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_over_soft_roce_leaves_the_sender_asleep() {
+        const N: u32 = 200;
+        let dev = std::sync::Arc::new(
+            rdmx_transport_rdma::SoftRoce::new(rdmx_transport_rdma::SoftConfig {
+                port: 0,
+                ..Default::default()
+            })
+            .unwrap(),
+        );
+        let t = rdmx_transport_rdma::RdmaTransport::with_provider(dev);
+        let (c, s) = pair(&t, "127.0.0.1:0").await;
+        let woken = ping_pong_sender_wakes(c, s, N).await;
         assert!(
             woken <= u64::from(N) / 5,
             "{woken} wake-ups for {} flushes",

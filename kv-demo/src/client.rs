@@ -18,6 +18,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::layout::{key_hash, tag_of, verify_item, Entry, Torn, BUCKET_BYTES, WAYS};
 use crate::node::{now_ms, NodeInfo, SetReq, SetResp, Ttl, METHODS, SERVICE, VERSION};
+use crate::pointers::PointerCache;
 use crate::store::Cond;
 
 /// One-sided readers treat an item that expires within this many
@@ -110,7 +111,8 @@ pub struct ClientCounters {
 }
 
 /// Keys whose index entry a client remembers per node (then a GET hit is one
-/// read, of the item). Cleared whole when full.
+/// read, of the item): at most this many, in a set-associative
+/// [`PointerCache`] of 4 MiB per node.
 pub const POINTER_CACHE: usize = 1 << 18;
 
 struct Link {
@@ -121,19 +123,16 @@ struct Link {
     /// Key hash → the entry that led to the key's item last time
     /// (FaRM/Pilaf-style pointer cache). A stale pointer fails verification:
     /// the node clears a freed slot's magic, and a reused slot holds another
-    /// key or version; so does another key with the same 64-bit hash, as
-    /// the item holds its key. Keyed by hash, a lookup touches no key bytes.
-    pointers: parking_lot::Mutex<nohash_hasher::IntMap<u64, Entry>>,
+    /// key or version; so does another key with the same hash bits, as the
+    /// item holds its key. Keyed by hash, a lookup touches no key bytes, and
+    /// one cache line of the table.
+    pointers: parking_lot::Mutex<PointerCache>,
 }
 
 impl Link {
     /// Remember where the item of the key hashing to `h` is.
     fn remember(&self, h: u64, e: Entry) {
-        let mut p = self.pointers.lock();
-        if p.len() >= POINTER_CACHE {
-            p.clear();
-        }
-        p.insert(h, e);
+        self.pointers.lock().insert(h, e);
     }
 }
 
@@ -241,16 +240,17 @@ impl Client {
     /// nodes up (adding or removing one node moves about 1/N of the keys).
     fn owner(&self, key: &[u8]) -> Result<(usize, Arc<Link>), KvError> {
         let h = xxh3_64(key);
-        self.inner
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| match &*s.state.read() {
-                State::Up(l) => Some((score(h, s.id), i, l.clone())),
-                State::Down { .. } => None,
-            })
-            .max_by_key(|(sc, _, _)| *sc)
-            .map(|(_, i, l)| (i, l))
+        let mut best: Option<(u64, usize, Arc<Link>)> = None;
+        for (i, s) in self.inner.slots.iter().enumerate() {
+            let sc = score(h, s.id);
+            if best.as_ref().is_some_and(|(b, _, _)| *b > sc) {
+                continue;
+            }
+            if let State::Up(l) = &*s.state.read() {
+                best = Some((sc, i, l.clone()));
+            }
+        }
+        best.map(|(_, i, l)| (i, l))
             .ok_or(KvError::NoNodes(self.inner.slots.len()))
     }
 
@@ -301,6 +301,17 @@ impl Client {
     /// GET by the chosen path.
     pub async fn get_with(&self, key: &[u8], path: GetPath) -> Result<Option<Bytes>, KvError> {
         let (i, link) = self.owner(key)?;
+        self.get_on(i, link, key, path).await
+    }
+
+    /// GET from node `i` through `link`, its owner's.
+    async fn get_on(
+        &self,
+        i: usize,
+        link: Arc<Link>,
+        key: &[u8],
+        path: GetPath,
+    ) -> Result<Option<Bytes>, KvError> {
         let c = &self.inner.counters;
         if path == GetPath::OneSided {
             match self.read_one_sided(&link, key).await {
@@ -348,7 +359,7 @@ impl Client {
         let conn: &Connection = link.rpc.connection();
         let h = key_hash(key, g.seed);
         let reads = &self.inner.counters.one_sided_reads;
-        let cached = link.pointers.lock().get(&h).copied();
+        let cached = link.pointers.lock().get(h);
         if let Some(e) = cached {
             if let Ok(at) = g.arena.slice(e.offset, u64::from(e.len)) {
                 reads.fetch_add(1, Ordering::Relaxed);
@@ -358,7 +369,7 @@ impl Client {
                     return Ok(Some(if expired { None } else { Some(item.slice(vr)) }));
                 }
             }
-            link.pointers.lock().remove(&h);
+            link.pointers.lock().remove(h);
         }
         let b = h & (g.buckets - 1);
         let tag = tag_of(h);
@@ -413,7 +424,36 @@ impl Client {
 
     /// MGET: every key's GET at once, across nodes.
     pub async fn mget(&self, keys: &[&[u8]], path: GetPath) -> Vec<Result<Option<Bytes>, KvError>> {
-        join_all(keys.iter().map(|k| self.get_with(k, path))).await
+        let owners: Vec<_> = keys.iter().map(|k| self.owner(k)).collect();
+        if path == GetPath::OneSided {
+            // Every key's pointer-cache line at once (see PointerCache::touch),
+            // under one lock per node: taking a lock waits for the loads
+            // before it.
+            for n in 0..self.inner.slots.len() {
+                let mine = || {
+                    keys.iter().zip(&owners).filter_map(move |(k, o)| {
+                        o.as_ref()
+                            .ok()
+                            .filter(|(i, _)| *i == n)
+                            .map(|(_, l)| (k, l))
+                    })
+                };
+                let Some((_, link)) = mine().next() else {
+                    continue;
+                };
+                let seed = link.info.geometry.seed;
+                let hashes: Vec<u64> = mine().map(|(k, _)| key_hash(k, seed)).collect();
+                let p = link.pointers.lock();
+                for h in hashes {
+                    p.touch(h);
+                }
+            }
+        }
+        join_all(keys.iter().zip(owners).map(|(k, o)| async move {
+            let (i, link) = o?;
+            self.get_on(i, link, k, path).await
+        }))
+        .await
     }
 
     /// SET with options; returns whether it was stored.
@@ -619,7 +659,7 @@ async fn probe(inner: &Arc<Inner>, i: usize) {
             rpc,
             info,
             offset_ms,
-            pointers: parking_lot::Mutex::default(),
+            pointers: parking_lot::Mutex::new(PointerCache::new(POINTER_CACHE)),
         })
     };
     let result = tokio::time::timeout(inner.cfg.options.connect_timeout, attempt)

@@ -15,6 +15,7 @@ pub mod client;
 pub mod gateway;
 pub mod layout;
 pub mod node;
+pub mod pointers;
 pub mod resp;
 pub mod store;
 

@@ -121,9 +121,15 @@ async fn basics(scheme: &str) {
     assert_eq!(cnt.one_sided_misses.load(Ordering::Relaxed), 1);
     // Both nodes hold keys.
     assert_eq!(c.dbsize().await.unwrap(), 200);
-    let keys: Vec<Vec<u8>> = (0..10).map(|i| format!("key:{i}").into_bytes()).collect();
+    // MGET across both nodes: remembered keys one READ each, the absent
+    // one its bucket.
+    let mut keys: Vec<Vec<u8>> = (0..10).map(|i| format!("key:{i}").into_bytes()).collect();
+    keys.push(b"absent".to_vec());
     let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
-    let got = c.mget(&refs, GetPath::OneSided).await;
+    let before = reads();
+    let mut got = c.mget(&refs, GetPath::OneSided).await;
+    assert_eq!(reads() - before, 11);
+    assert_eq!(got.pop().unwrap().unwrap(), None);
     for (i, g) in got.into_iter().enumerate() {
         assert_eq!(check_self(&g.unwrap().unwrap()), i as u64);
     }

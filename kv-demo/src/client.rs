@@ -301,20 +301,23 @@ impl Client {
     /// GET by the chosen path.
     pub async fn get_with(&self, key: &[u8], path: GetPath) -> Result<Option<Bytes>, KvError> {
         let (i, link) = self.owner(key)?;
-        self.get_on(i, link, key, path).await
+        let h = key_hash(key, link.info.geometry.seed);
+        self.get_on(i, link, key, h, path).await
     }
 
-    /// GET from node `i` through `link`, its owner's.
+    /// GET from node `i` through `link`, its owner's; `h` is the key's hash
+    /// under that node's seed.
     async fn get_on(
         &self,
         i: usize,
         link: Arc<Link>,
         key: &[u8],
+        h: u64,
         path: GetPath,
     ) -> Result<Option<Bytes>, KvError> {
         let c = &self.inner.counters;
         if path == GetPath::OneSided {
-            match self.read_one_sided(&link, key).await {
+            match self.read_one_sided(&link, key, h).await {
                 Ok(Some(found)) => {
                     let counter = if found.is_some() {
                         &c.one_sided_hits
@@ -349,15 +352,16 @@ impl Client {
 
     /// One-sided GET: `Ok(Some(answer))`, or `Ok(None)` when every retry
     /// met a torn or moving item (ask by RPC then). A remembered pointer
-    /// makes a hit one read; otherwise the bucket, then the item.
+    /// makes a hit one read; otherwise the bucket, then the item. `h` is
+    /// the key's hash under the node's seed.
     async fn read_one_sided(
         &self,
         link: &Link,
         key: &[u8],
+        h: u64,
     ) -> rdmx_core::Result<Option<Option<Bytes>>> {
         let g = link.info.geometry;
         let conn: &Connection = link.rpc.connection();
-        let h = key_hash(key, g.seed);
         let reads = &self.inner.counters.one_sided_reads;
         let cached = link.pointers.lock().get(h);
         if let Some(e) = cached {
@@ -424,34 +428,35 @@ impl Client {
 
     /// MGET: every key's GET at once, across nodes.
     pub async fn mget(&self, keys: &[&[u8]], path: GetPath) -> Vec<Result<Option<Bytes>, KvError>> {
-        let owners: Vec<_> = keys.iter().map(|k| self.owner(k)).collect();
+        // Each key's owner and its hash under that node's seed, once.
+        let owners: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                self.owner(k).map(|(i, link)| {
+                    let h = key_hash(k, link.info.geometry.seed);
+                    (i, link, h)
+                })
+            })
+            .collect();
         if path == GetPath::OneSided {
             // Every key's pointer-cache line at once (see PointerCache::touch),
             // under one lock per node: taking a lock waits for the loads
             // before it.
             for n in 0..self.inner.slots.len() {
-                let mine = || {
-                    keys.iter().zip(&owners).filter_map(move |(k, o)| {
-                        o.as_ref()
-                            .ok()
-                            .filter(|(i, _)| *i == n)
-                            .map(|(_, l)| (k, l))
-                    })
-                };
-                let Some((_, link)) = mine().next() else {
+                let mut mine = owners.iter().flatten().filter(|(i, _, _)| *i == n);
+                let Some((_, link, first)) = mine.next() else {
                     continue;
                 };
-                let seed = link.info.geometry.seed;
-                let hashes: Vec<u64> = mine().map(|(k, _)| key_hash(k, seed)).collect();
                 let p = link.pointers.lock();
-                for h in hashes {
-                    p.touch(h);
+                p.touch(*first);
+                for (_, _, h) in mine {
+                    p.touch(*h);
                 }
             }
         }
         join_all(keys.iter().zip(owners).map(|(k, o)| async move {
-            let (i, link) = o?;
-            self.get_on(i, link, k, path).await
+            let (i, link, h) = o?;
+            self.get_on(i, link, k, h, path).await
         }))
         .await
     }

@@ -67,6 +67,12 @@ impl Entry {
     pub fn decode(b: &[u8]) -> Option<Entry> {
         let w0 = u64::from_le_bytes(b[0..8].try_into().ok()?);
         let w1 = u64::from_le_bytes(b[8..16].try_into().ok()?);
+        Entry::from_words(w0, w1)
+    }
+
+    /// The entry two stored words hold (the inverse of [`Entry::words`]);
+    /// `None` for an empty entry.
+    pub fn from_words(w0: u64, w1: u64) -> Option<Entry> {
         (w0 != 0).then_some(Entry {
             offset: w0 >> 24,
             len: (w0 & 0xFF_FFFF) as u32,
@@ -199,6 +205,7 @@ mod tests {
             b[..8].copy_from_slice(&w0.to_le_bytes());
             b[8..].copy_from_slice(&w1.to_le_bytes());
             prop_assert_eq!(Entry::decode(&b), Some(e));
+            prop_assert_eq!(Entry::from_words(w0, w1), Some(e));
         }
 
         /// An intact item verifies; any single flipped bit is caught.

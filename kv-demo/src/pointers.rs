@@ -118,10 +118,7 @@ impl PointerCache {
 }
 
 fn decode(w: [u64; 2]) -> Option<Entry> {
-    let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&w[0].to_le_bytes());
-    b[8..].copy_from_slice(&w[1].to_le_bytes());
-    Entry::decode(&b)
+    Entry::from_words(w[0], w[1])
 }
 
 #[cfg(test)]

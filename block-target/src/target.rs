@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -127,6 +127,9 @@ pub struct Controller {
     regs: Mutex<Regs>,
     kato_ms: AtomicU32,
     last_keep_alive: Mutex<Instant>,
+    /// A command came on one of its queues since the keep-alive timer last
+    /// looked (Traffic Based Keep Alive: it counts as a Keep Alive).
+    traffic: AtomicBool,
     granted_queues: AtomicU16,
     connected: Mutex<BTreeSet<u16>>,
     aers: AtomicU32,
@@ -341,6 +344,7 @@ impl Target {
                 regs: Mutex::new(Regs::default()),
                 kato_ms: AtomicU32::new(kato),
                 last_keep_alive: Mutex::new(Instant::now()),
+                traffic: AtomicBool::new(false),
                 granted_queues: AtomicU16::new(0),
                 connected: Mutex::new(BTreeSet::from([0])),
                 aers: AtomicU32::new(0),
@@ -443,6 +447,12 @@ impl Target {
             // Only Connect is allowed before Connect.
             return Completion::error(Status::COMMAND_SEQUENCE_ERROR);
         };
+        // Traffic Based Keep Alive (CTRATT.TBKAS, NVMe Base 2.0 §3.9): any
+        // command restarts the keep-alive timer, as nvmet does. A flag the
+        // timer task reads, so the hot path only stores when it is clear.
+        if !ctrl.traffic.load(Relaxed) {
+            ctrl.traffic.store(true, Relaxed);
+        }
         if sqe.flags & 0x03 != 0 {
             // Fused operations are not supported.
             return Completion::error(Status::INVALID_FIELD);
@@ -580,7 +590,12 @@ impl Target {
                 if ctrl.kato_ms.load(Relaxed) == 0 {
                     return Completion::error(Status::KEEP_ALIVE_INVALID);
                 }
-                *ctrl.last_keep_alive.lock() = Instant::now();
+                let since = std::mem::replace(&mut *ctrl.last_keep_alive.lock(), Instant::now());
+                tracing::debug!(
+                    cntlid = ctrl.cntlid,
+                    since_ms = since.elapsed().as_millis() as u64,
+                    "keep alive"
+                );
                 Completion::ok()
             }
             admin::ABORT => Completion::dw0(1), // not aborted
@@ -705,7 +720,12 @@ impl Target {
             }
             0x0F => {
                 ctrl.kato_ms.store(v, Relaxed);
-                *ctrl.last_keep_alive.lock() = Instant::now();
+                let since = std::mem::replace(&mut *ctrl.last_keep_alive.lock(), Instant::now());
+                tracing::debug!(
+                    cntlid = ctrl.cntlid,
+                    since_ms = since.elapsed().as_millis() as u64,
+                    "keep alive"
+                );
                 Completion::ok()
             }
             0x0B => {
@@ -833,7 +853,10 @@ impl Target {
 }
 
 /// Drop a controller whose host stopped sending Keep Alive within KATO
-/// (rounded up to whole seconds, as nvmet does; NVMe Base 2.0 §3.9).
+/// (rounded up to whole seconds, as nvmet does; NVMe Base 2.0 §3.9). Any
+/// other command counts as a Keep Alive too (TBKAS, which Identify
+/// Controller advertises): a host whose I/O flows stays connected even when
+/// its admin queue is slow.
 async fn keep_alive_timer(target: std::sync::Weak<Target>, ctrl: Arc<Controller>) {
     let mut gone = ctrl.gone();
     loop {
@@ -846,6 +869,9 @@ async fn keep_alive_timer(target: std::sync::Weak<Target>, ctrl: Arc<Controller>
             continue;
         }
         let limit = Duration::from_secs(u64::from(kato).div_ceil(1000));
+        if ctrl.traffic.swap(false, Relaxed) {
+            *ctrl.last_keep_alive.lock() = Instant::now();
+        }
         if ctrl.last_keep_alive.lock().elapsed() > limit {
             let Some(t) = target.upgrade() else { return };
             tracing::warn!(

@@ -464,3 +464,24 @@ async fn a_burst_of_commands_is_answered_in_one_write() {
     eprintln!("{N} commands in one burst: {writes} target writes");
     assert!(writes <= 2, "{N} commands took {writes} target writes");
 }
+
+/// An idle Initiator keeps its controller: Keep Alive every KATO/2 from the
+/// admin Connect (KATO 1 s here, three of them idle).
+#[tokio::test]
+async fn an_idle_initiator_keeps_its_controller() {
+    let (url, t) = start("tcp").await;
+    let short = InitiatorConfig {
+        kato: Duration::from_secs(1),
+        ..cfg()
+    };
+    let dev = Initiator::connect(&transports(), &url, short)
+        .await
+        .unwrap();
+    dev.write(0, Bytes::from(pattern(7, 4096)), false)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(t.stats.keep_alive_expired.load(Relaxed), 0);
+    assert!(dev.read(0, 8).await.unwrap() == pattern(7, 4096));
+    dev.close().await.unwrap();
+}

@@ -220,8 +220,14 @@ impl Host {
         self.s.write_all(&b).await.unwrap();
     }
 
-    /// Fabrics Connect (NVMe-oF 1.1 §3.3).
+    /// Fabrics Connect (NVMe-oF 1.1 §3.3), KATO 5 s on the admin queue.
     async fn connect(&mut self, qid: u16, subnqn: &str, cntlid: u16) -> Done {
+        self.connect_kato(qid, subnqn, cntlid, if qid == 0 { 5000 } else { 0 })
+            .await
+    }
+
+    /// Fabrics Connect with this keep-alive timeout (ms).
+    async fn connect_kato(&mut self, qid: u16, subnqn: &str, cntlid: u16, kato_ms: u32) -> Done {
         let mut data = vec![0u8; 1024];
         data[0] = 0x42; // host ID
         data[16..18].copy_from_slice(&cntlid.to_le_bytes());
@@ -238,7 +244,7 @@ impl Host {
             cdw: [
                 u32::from(qid) << 16,
                 if qid == 0 { 31 } else { 63 },
-                if qid == 0 { 5000 } else { 0 },
+                kato_ms,
                 0,
                 0,
                 0,
@@ -609,5 +615,57 @@ async fn protocol_errors_end_that_connection_only() {
     assert_eq!(
         q.run(rw(io::READ, 1, 0, 8), &[], &[]).await.data.len(),
         4096
+    );
+}
+
+/// Traffic Based Keep Alive (NVMe Base 2.0 §3.9): Identify Controller
+/// advertises TBKAS, I/O commands alone keep a controller alive well past
+/// its KATO, and silence past KATO still ends it.
+#[tokio::test]
+async fn io_traffic_keeps_the_controller_alive_and_silence_ends_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::{Duration, Instant};
+    let (addr, t) = start().await;
+    let d = Digests::default();
+    let mut a = Host::open(addr, d).await;
+    let c = a.connect_kato(0, NQN, 0xFFFF, 1000).await;
+    assert_eq!(c.status, Status::SUCCESS);
+    let cntlid = c.dw0 as u16;
+    assert_eq!(
+        a.prop(Some(0x0046_0001), 0x14, false).await.status,
+        Status::SUCCESS
+    );
+    assert_eq!(a.prop(None, 0x1C, false).await.dw0 & 1, 1, "CSTS.RDY");
+    let id = a
+        .run(cmd(admin::IDENTIFY, 0, 4096, [1, 0, 0, 0, 0, 0]), &[], &[])
+        .await;
+    let ctratt = u32::from_le_bytes(id.data[96..100].try_into().unwrap());
+    assert_eq!(ctratt & (1 << 6), 1 << 6, "CTRATT.TBKAS");
+    let nq = a
+        .run(cmd(admin::SET_FEATURES, 0, 0, [7, 0, 0, 0, 0, 0]), &[], &[])
+        .await;
+    assert_eq!(nq.status, Status::SUCCESS);
+    let mut q = Host::open(addr, d).await;
+    assert_eq!(q.connect(1, NQN, cntlid).await.status, Status::SUCCESS);
+    // Three KATOs of reads and no Keep Alive.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let r = q.run(rw(io::READ, 1, 0, 8), &[], &[]).await;
+        assert_eq!(r.status, Status::SUCCESS);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(t.stats.keep_alive_expired.load(Relaxed), 0);
+    // Silence: the timer (whole seconds, checked twice a second) expires.
+    let silent = Instant::now();
+    while t.stats.keep_alive_expired.load(Relaxed) == 0 {
+        assert!(
+            silent.elapsed() < Duration::from_secs(10),
+            "keep-alive timer never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        silent.elapsed() >= Duration::from_secs(1),
+        "expired before a KATO of silence"
     );
 }

@@ -419,6 +419,9 @@ impl Initiator {
         let dw0 = admin
             .run(connect_sqe(0, 31, kato_ms), &connect_data(&cfg, 0xFFFF)?)
             .await?;
+        // The target's keep-alive timer runs from here (NVMe Base 2.0 §3.9),
+        // however long the rest of the setup takes.
+        let kato_armed = tokio::time::Instant::now();
         let cntlid = dw0 as u16;
         // CC: IOSQES 6, IOCQES 4, EN; then wait for CSTS.RDY.
         admin.run(prop(Some(0x0046_0001), 0x14), &[]).await?;
@@ -468,18 +471,31 @@ impl Initiator {
             io.push(q);
         }
         let a = admin.clone();
+        // Keep Alive every KATO/2 from the admin Connect, on a fixed
+        // cadence: a slow answer delays no later one. A KATO of 0 turns the
+        // timer off: no Keep Alive then.
         let every = cfg.kato / 2;
         let keep_alive = tokio::spawn(async move {
+            if every.is_zero() {
+                return;
+            }
+            let mut ticks = tokio::time::interval_at(kato_armed + every, every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tokio::time::sleep(every).await;
+                ticks.tick().await;
                 let ka = Sqe {
                     opcode: admin::KEEP_ALIVE,
                     ..Sqe::default()
                 };
+                let sent = std::time::Instant::now();
                 if let Err(e) = a.run(ka, &[]).await {
                     tracing::warn!(error = %e, "keep alive failed");
                     return;
                 }
+                tracing::debug!(
+                    took_us = sent.elapsed().as_micros() as u64,
+                    "keep alive answered"
+                );
             }
         });
         Ok(Initiator {

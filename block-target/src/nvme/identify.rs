@@ -68,7 +68,9 @@ pub fn controller(c: &ControllerInfo) -> Bytes {
     b[78..80].copy_from_slice(&c.cntlid.to_le_bytes());
     b[80..84].copy_from_slice(&VERSION.to_le_bytes());
     // OAES 0: no events, so the 6.1 host sends no AEC Set Features.
-    b[96..100].copy_from_slice(&1u32.to_le_bytes()); // CTRATT: 128-bit host ID
+    // CTRATT: bit 0 128-bit host ID; bit 6 TBKAS, Traffic Based Keep Alive
+    // (every command restarts the keep-alive timer, see target.rs).
+    b[96..100].copy_from_slice(&(1u32 | 1 << 6).to_le_bytes());
     b[111] = if c.discovery { 2 } else { 1 }; // CNTRLTYPE
     b[258] = 3; // ACL
     b[259] = AERL;

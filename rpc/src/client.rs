@@ -2,7 +2,6 @@
 //! by the server's credits, with deadlines, cancel-on-drop, and rendezvous for
 //! large bodies; [`Pool`] adds connection reuse and reconnect.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, Bytes};
 use parking_lot::Mutex;
 use rdmx_core::{Connection, MemoryRegion, Options, RemoteRegion, Transports};
+use rustc_hash::FxHashMap;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{oneshot, Semaphore};
@@ -25,9 +25,9 @@ struct Inner {
     /// Requests of concurrent calls leave together (see `outbox`).
     outbox: Arc<Outbox>,
     service: String,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Frame>>>,
+    pending: Mutex<FxHashMap<u64, oneshot::Sender<Frame>>>,
     /// Request bodies lent by rendezvous, until the server pulled them.
-    lent: Mutex<HashMap<u64, MemoryRegion>>,
+    lent: Mutex<FxHashMap<u64, MemoryRegion>>,
     next: AtomicU64,
     credits: Arc<Semaphore>,
     threshold: usize,
@@ -95,8 +95,8 @@ impl Client {
             outbox: Outbox::new(conn.clone(), stats.clone()),
             conn,
             service: service.to_string(),
-            pending: Mutex::new(HashMap::new()),
-            lent: Mutex::new(HashMap::new()),
+            pending: Mutex::default(),
+            lent: Mutex::default(),
             next: AtomicU64::new(1),
             credits: Arc::new(Semaphore::new(credits as usize)),
             threshold,

@@ -16,7 +16,9 @@
 //! requests that never ran are re-posted, and ones that ran complete
 //! (an atomic whose answer was lost reports [`Error::Indeterminate`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -365,7 +367,7 @@ struct State {
     buffered: u32,
     /// Consumed since the last CREDIT message.
     consumed: (u32, u64),
-    classifying: HashMap<u64, Reply>,
+    classifying: FxHashMap<u64, Reply>,
     inc_tx: Option<mpsc::UnboundedSender<Incoming>>,
 }
 
@@ -577,7 +579,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             fresh: None,
             buffered: 0,
             consumed: (0, 0),
-            classifying: HashMap::new(),
+            classifying: FxHashMap::default(),
             inc_tx: Some(inc_tx),
         }),
         ctl: ctl_tx,

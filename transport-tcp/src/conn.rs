@@ -2,7 +2,9 @@
 //! completes ours, and a write path that writes directly when the socket is idle
 //! and batches frames through a writer task under load.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -141,11 +143,12 @@ pub(crate) struct Shared {
     writer_wake: Notify,
     write_drained: Notify,
 
-    pending: Mutex<HashMap<u64, oneshot::Sender<Resp>>>,
+    /// Waiters by request id (ids are ours, never a peer's: a fast hash).
+    pending: Mutex<FxHashMap<u64, oneshot::Sender<Resp>>>,
     /// Read pieces whose responses go straight into a [`ReadSink`], at an
     /// offset (the reader takes the sink's buffer while it receives a piece
     /// into its place: no buffer per piece, no copy to join them).
-    sinks: Mutex<HashMap<u64, (ReadSink, usize)>>,
+    sinks: Mutex<FxHashMap<u64, (ReadSink, usize)>>,
     next_id: AtomicU64,
     inflight: Semaphore,
     read_budget: Semaphore,
@@ -246,8 +249,8 @@ impl TcpConnection {
             }),
             writer_wake: Notify::new(),
             write_drained: Notify::new(),
-            pending: Mutex::new(HashMap::new()),
-            sinks: Mutex::new(HashMap::new()),
+            pending: Mutex::default(),
+            sinks: Mutex::default(),
             next_id: AtomicU64::new(1),
             inflight: Semaphore::new(s.max_inflight as usize),
             read_budget: Semaphore::new(READ_OUTSTANDING),

@@ -1,7 +1,6 @@
 //! The host side of NVMe over rdmx: [`Initiator`], an async block device
 //! on a remote namespace with many commands in flight.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +8,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
 use rdmx_core::{Access, Connection, MemoryRegion, Options, Transports};
+use rustc_hash::FxHashMap;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::nvme::command::{admin, fabrics, io, sgl, Sgl, Sqe, CQE_LEN, SQE_LEN};
@@ -151,7 +151,7 @@ impl BufferPool {
 /// response wakes the very task that waits for it.
 struct QueueConn {
     conn: Arc<Connection>,
-    pending: Mutex<HashMap<u16, Waiter>>,
+    pending: Mutex<FxHashMap<u16, Waiter>>,
     /// Registered buffers for read data, reused across commands.
     buffers: BufferPool,
     /// Held by the command currently reading responses.

@@ -8,7 +8,9 @@
 //! request posted before it; [`SendTrack::complete`] hands those back too,
 //! each with the status it finished with.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 
 use crate::verbs::{WcOpcode, WcStatus};
 
@@ -126,14 +128,14 @@ impl<B> SendTrack<B> {
 #[derive(Debug)]
 pub struct RecvTrack<B> {
     next_id: u64,
-    posted: HashMap<u64, (u64, B)>,
+    posted: FxHashMap<u64, (u64, B)>,
 }
 
 impl<B> Default for RecvTrack<B> {
     fn default() -> Self {
         RecvTrack {
             next_id: 1,
-            posted: HashMap::new(),
+            posted: FxHashMap::default(),
         }
     }
 }

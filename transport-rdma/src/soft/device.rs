@@ -40,6 +40,7 @@ use rdmx_roce_proto::pcap::CaptureWriter;
 use rdmx_roce_proto::{
     Completion, FramePath, Packet, Qp, QpConfig, QpStats, RoceFrame, Timeouts, WorkRequest,
 };
+use rustc_hash::FxHashMap;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
@@ -222,7 +223,7 @@ pub(crate) struct Device {
     handle: tokio::runtime::Handle,
     rx: Vec<RxQueue>,
     port: u16,
-    qps: RwLock<HashMap<u32, Arc<SoftQp>>>,
+    qps: RwLock<FxHashMap<u32, Arc<SoftQp>>>,
     next_qpn: AtomicU32,
     epoch: Instant,
     /// Wakes the timer task where there is no [`PreciseTimer`].
@@ -462,7 +463,7 @@ impl SoftRoce {
             handle: handle.clone(),
             rx,
             port,
-            qps: RwLock::new(HashMap::new()),
+            qps: RwLock::default(),
             next_qpn: AtomicU32::new(first_qpn),
             epoch: Instant::now(),
             timer: Notify::new(),

@@ -138,6 +138,16 @@ pub struct Controller {
 }
 
 impl Controller {
+    /// Restart the keep-alive timer for a Keep Alive (or a new KATO).
+    fn keep_alive_received(&self) {
+        let since = std::mem::replace(&mut *self.last_keep_alive.lock(), Instant::now());
+        tracing::debug!(
+            cntlid = self.cntlid,
+            since_ms = since.elapsed().as_millis() as u64,
+            "keep alive"
+        );
+    }
+
     /// Its controller ID.
     pub fn cntlid(&self) -> u16 {
         self.cntlid
@@ -590,12 +600,7 @@ impl Target {
                 if ctrl.kato_ms.load(Relaxed) == 0 {
                     return Completion::error(Status::KEEP_ALIVE_INVALID);
                 }
-                let since = std::mem::replace(&mut *ctrl.last_keep_alive.lock(), Instant::now());
-                tracing::debug!(
-                    cntlid = ctrl.cntlid,
-                    since_ms = since.elapsed().as_millis() as u64,
-                    "keep alive"
-                );
+                ctrl.keep_alive_received();
                 Completion::ok()
             }
             admin::ABORT => Completion::dw0(1), // not aborted
@@ -720,12 +725,7 @@ impl Target {
             }
             0x0F => {
                 ctrl.kato_ms.store(v, Relaxed);
-                let since = std::mem::replace(&mut *ctrl.last_keep_alive.lock(), Instant::now());
-                tracing::debug!(
-                    cntlid = ctrl.cntlid,
-                    since_ms = since.elapsed().as_millis() as u64,
-                    "keep alive"
-                );
+                ctrl.keep_alive_received();
                 Completion::ok()
             }
             0x0B => {

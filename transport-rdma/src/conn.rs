@@ -17,8 +17,6 @@
 //! (an atomic whose answer was lost reports [`Error::Indeterminate`]).
 
 use std::collections::BTreeMap;
-
-use rustc_hash::FxHashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -31,6 +29,7 @@ use rdmx_core::{
     Incoming, RawConnection, RemoteRegion, Result, Stats, Support,
 };
 use rdmx_transport_tcp::handshake::{Agreed, Limits};
+use rustc_hash::FxHashMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;

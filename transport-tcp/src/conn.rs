@@ -3,8 +3,6 @@
 //! and batches frames through a writer task under load.
 
 use std::collections::VecDeque;
-
-use rustc_hash::FxHashMap;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -17,6 +15,7 @@ use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
     RawConnection, RemoteRegion, Result, Support,
 };
+use rustc_hash::FxHashMap;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Notify, Semaphore, SemaphorePermit};

@@ -210,6 +210,10 @@ if rdmx("rdmx_lat8_irq_r1"):
 w("")
 
 rdma = rdmx("rdmx_rdma")
+# Soft RoCE 8 B round trips, interleaved `--mode lat` rounds: their medians
+# decide the target (the sweep's single 8 B point moves by a third between
+# runs on this VM).
+soft_rounds = [x for x in (rdmx(f"rdmx_rdma_lat8_r{r}") for r in (1, 2, 3)) if x]
 
 
 def soak(name):
@@ -237,6 +241,20 @@ for r in rdma:
     w(f"| {r['op']} | {r['size']} | {f(r['p50_us'])} | {f(r['p99_us'])} | {f(b.get('p50_us'))} | "
       f"{f(r.get('lat_ratio'))} | {f(r['mb_per_s'], 1)} | {f(tcp_bw, 1)} | {f(x)} |")
 w("")
+if soft_rounds:
+    w(f"8 B round trips, {len(soft_rounds)} rounds interleaved with the TCP rounds above "
+      f"(`{cmd('rdmx_rdma_lat8_r1')}`): median p50 and latency × raw TCP, with the spread "
+      "(max − min, % of the median).\n")
+    w("| op | p50 µs | raw TCP p50 µs | latency × raw |")
+    w("|---|---:|---:|---:|")
+    for op in ("send", "write", "read", "cas", "faa"):
+        pts = [find(x, op, 8) for x in soft_rounds]
+        p50 = med([p["p50_us"] for p in pts if p])
+        raw = med([(p.get("baseline") or {}).get("p50_us") for p in pts if p])
+        ratio = med([p.get("lat_ratio") for p in pts if p])
+        w(f"| {op} | {f(p50[0])} ±{f(p50[1], 0)}% | {f(raw[0])} ±{f(raw[1], 0)}% | "
+          f"{f(ratio[0])} ±{f(ratio[1], 0)}% |")
+    w("")
 
 LANES = (1, 2, 4)
 if any(rdmx(f"lanes_tcp_1_r{r}") for r in (1, 2, 3)):
@@ -445,12 +463,20 @@ for op in ("write", "read"):
     if r and r.get("lat_ratio"):
         target(f"1 MiB single {op} p50 ≤ 1.3 × raw TCP", f"{f(r['lat_ratio'])} × "
                f"({f(r['p50_us'])} vs {f((r.get('baseline') or {}).get('p50_us'))} µs)", r["lat_ratio"] <= 1.3)
-soft_8 = [(op, find(rdma, op, 8)) for op in ("send", "write", "read", "cas", "faa")]
-soft_8 = [(op, r["lat_ratio"]) for op, r in soft_8 if r and r.get("lat_ratio")]
+soft_8 = []
+for op in ("send", "write", "read", "cas", "faa"):
+    if soft_rounds:
+        ratio, spread = med([(find(x, op, 8) or {}).get("lat_ratio") for x in soft_rounds])
+        soft_8.append((op, ratio, f" ±{f(spread, 0)}%"))
+    else:
+        r = find(rdma, op, 8)
+        soft_8.append((op, r.get("lat_ratio") if r else None, ""))
+soft_8 = [x for x in soft_8 if x[1]]
 if soft_8:
     worst = max(soft_8, key=lambda x: x[1])
-    target("soft RoCE 8 B round trip ≤ 1.3 × raw TCP for every op",
-           f"worst {worst[0]} {f(worst[1])} ×; " + ", ".join(f"{op} {f(x)}" for op, x in soft_8),
+    how = f" (medians of {len(soft_rounds)} interleaved rounds)" if soft_rounds else ""
+    target(f"soft RoCE 8 B round trip ≤ 1.3 × raw TCP for every op{how}",
+           f"worst {worst[0]} {f(worst[1])} ×; " + ", ".join(f"{op} {f(x)}{s}" for op, x, s in soft_8),
            worst[1] <= 1.3)
 def sr_goodput(p):
     """(median MB/s, spread %, rounds) of selective repeat at `p` permille loss."""

@@ -45,12 +45,14 @@ run rdmx_irq $RDMX perf --loopback --baseline raw-tcp --json --duration-ms $DUR 
 echo "rdmx perf (busy-poll mode, 8 B)" >&2
 run rdmx_poll $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100 --mode lat \
   --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
-echo "rdmx perf 8 B round trips against raw TCP, interrupt and busy-poll, three rounds interleaved (one when quick)" >&2
+echo "rdmx perf 8 B round trips against raw TCP (tcp interrupt and busy-poll, soft RoCE), three rounds interleaved (one when quick)" >&2
 for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
   run rdmx_lat8_irq_r$r $RDMX perf --loopback --baseline raw-tcp --json --mode lat --iters $((ITERS * 2)) \
     --op send,write,read --sizes 8
   run rdmx_lat8_poll_r$r $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100 --mode lat \
     --iters $((ITERS * 2)) --op send,write,read --sizes 8
+  run rdmx_rdma_lat8_r$r $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --mode lat \
+    --iters $((ITERS * 2)) --op send,write,read,cas,faa --sizes 8
 done
 echo "rdmx perf over soft RoCE (rdma transport)" >&2
 run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --duration-ms $DUR \

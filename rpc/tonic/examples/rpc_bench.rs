@@ -6,8 +6,11 @@
 //!
 //! ```text
 //! cargo run --release -p rdmx-rpc-tonic --example rpc_bench -- [--duration-ms 1000]
-//!     [--systems rdmx-rpc/tcp,tonic/tcp] [--sizes 64,4096] [--concurrency 1,64]
+//!     [--systems rdmx-rpc/tcp,tonic/tcp] [--sizes 64,4096] [--concurrency 1,64] [--threads 2]
 //! ```
+//!
+//! `--threads` sets the runtime's worker threads (default 2, as the
+//! benchmark runs): with one, no call waits for a thread to wake.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -309,8 +312,9 @@ fn main() {
         sizes: list("--sizes", &[64, 4096, 65_536, 1 << 20]),
         concurrency: list("--concurrency", &[1, 64]),
     };
+    let threads = flag("--threads").map_or(2, |v| v.parse().expect("--threads"));
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         // Soft RoCE ACKs held for the answer leave when a worker runs dry.
         .on_thread_park(rdmx_transport_rdma::soft::on_thread_park)
         .enable_all()

@@ -81,6 +81,11 @@ def find(rows, op, size):
     return None
 
 
+def ratio_med(rounds, op, size=8):
+    """(median, spread %) of `op`'s latency ratio to raw TCP over interleaved rounds."""
+    return med([(find(x, op, size) or {}).get("lat_ratio") for x in rounds])
+
+
 irq = rdmx("rdmx_irq")
 poll = rdmx("rdmx_poll")
 put_lat, get_lat, tag_lat = ucx("ucx_put_lat"), ucx("ucx_get_lat"), ucx("ucx_tag_lat")
@@ -182,7 +187,7 @@ for mode, rows, key in (("interrupt", irq, "irq"), ("busy-poll", poll, "poll")):
     rounds = [x for x in (rdmx(f"rdmx_lat8_{key}_r{r}") for r in (1, 2, 3)) if x]
     for op in ("send", "write", "read"):
         if rounds:
-            ratio, spread = med([(find(x, op, 8) or {}).get("lat_ratio") for x in rounds])
+            ratio, spread = ratio_med(rounds, op)
             measured = f"{f(ratio)} × (median of {len(rounds)}, ±{f(spread, 0)}%)"
         else:
             r = find(rows, op, 8)
@@ -251,7 +256,7 @@ if soft_rounds:
         pts = [find(x, op, 8) for x in soft_rounds]
         p50 = med([p["p50_us"] for p in pts if p])
         raw = med([(p.get("baseline") or {}).get("p50_us") for p in pts if p])
-        ratio = med([p.get("lat_ratio") for p in pts if p])
+        ratio = ratio_med(soft_rounds, op)
         w(f"| {op} | {f(p50[0])} ±{f(p50[1], 0)}% | {f(raw[0])} ±{f(raw[1], 0)}% | "
           f"{f(ratio[0])} ±{f(ratio[1], 0)}% |")
     w("")
@@ -466,7 +471,7 @@ for op in ("write", "read"):
 soft_8 = []
 for op in ("send", "write", "read", "cas", "faa"):
     if soft_rounds:
-        ratio, spread = med([(find(x, op, 8) or {}).get("lat_ratio") for x in soft_rounds])
+        ratio, spread = ratio_med(soft_rounds, op)
         soft_8.append((op, ratio, f" ±{f(spread, 0)}%"))
     else:
         r = find(rdma, op, 8)

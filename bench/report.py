@@ -536,34 +536,59 @@ def memcached_rows(name):
     return {r["test"]: r for r in rdmx(name)}
 
 
-kv_systems = [
-    ("rdmx gateway, 2 nodes over tcp://", "kv_gw_tcp", redis_csv),
-    ("rdmx gateway, 2 nodes over rdma:// (soft RoCE)", "kv_gw_rdma", redis_csv),
-    ("redis-server 7", "kv_redis", redis_csv),
-    ("memcached (text protocol, memcached_load)", "kv_memcached", memcached_rows),
-]
-kv = {(label, p): fn(f"{stem}_P{p}") for label, stem, fn in kv_systems for p in (1, 16)}
-if any(kv.values()):
+KV_GATEWAYS = [("tcp", "rdmx gateway, 2 nodes over tcp://"),
+               ("rdma", "rdmx gateway, 2 nodes over rdma:// (soft RoCE)")]
+KV_REDIS = "redis-server 7"
+
+
+def kv_runs(stem, p):
+    """The redis-benchmark rounds `stem`_P`p`_r1..3 that ran (parsed)."""
+    return [r for r in (redis_csv(f"{stem}_P{p}_r{i}") for i in (1, 2, 3)) if r]
+
+
+def kv_med(runs, test, key):
+    """(median, spread %) of one redis-benchmark figure over rounds."""
+    return med([r.get(test, {}).get(key) for r in runs])
+
+
+# Rounds of each gateway and of redis-server interleaved with it (the same
+# machine conditions), and memcached's single run.
+kv_gw = {(scheme, p): kv_runs(f"kv_gw_{scheme}", p) for scheme, _ in KV_GATEWAYS for p in (1, 16)}
+kv_red = {(scheme, p): kv_runs(f"kv_redis_{scheme}", p) for scheme, _ in KV_GATEWAYS for p in (1, 16)}
+kv_mc = {p: memcached_rows(f"kv_memcached_P{p}") for p in (1, 16)}
+if any(kv_gw.values()) or any(kv_red.values()):
     w("## KV cache: Redis clients against the rdmx gateway, redis-server and memcached\n")
     w("50 connections, 100-byte values, keys drawn from 100,000, SET then GET, P requests "
       "pipelined per connection. The gateway adds a hop (client → gateway → node); a GET is "
       "one one-sided read when the gateway remembers the key's item, else two (bucket, item). "
       "All processes share this VM's two cores. redis-benchmark's own CPU counts against "
       "every system alike.\n")
-    w(f"Commands: `{cmd('kv_gw_tcp_P1')}` (gateway; likewise `-P 16`, and for rdma:// nodes), "
-      f"`{cmd('kv_redis_P1')}`, `{cmd('kv_memcached_P1')}`.\n")
+    w("Each gateway's runs interleave with redis-server's (gateway P1, redis P1, gateway P16, "
+      "redis P16, three rounds): the figures are medians over the rounds, spread = (max − min) "
+      "/ median of GET ops/s; redis-server has a row per interleave. memcached runs once.\n")
+    w(f"Commands: `{cmd('kv_gw_tcp_P1_r1')}` (gateway; likewise `-P 16`, and for rdma:// nodes), "
+      f"`{cmd('kv_redis_tcp_P1_r1')}`, `{cmd('kv_memcached_P1')}`.\n")
     servers = read("kv_servers", "cmds")
     if servers:
         w("The rdmx nodes and gateway (tcp:// run, then rdma://), each its own process:\n")
         w("```\n" + servers.strip() + "\n```\n")
-    w("| system | P | SET ops/s | SET p50 ms | SET p99 ms | GET ops/s | GET p50 ms | GET p99 ms |")
-    w("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, _, _ in kv_systems:
+    w("| system | P | rounds | SET ops/s | SET p50 ms | SET p99 ms | GET ops/s | GET spread | GET p50 ms | GET p99 ms |")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def kv_row(label, p, runs):
+        cells = [f(kv_med(runs, t, k)[0], d) for t in ("SET", "GET")
+                 for k, d in (("rps", 0), ("p50_ms", 3), ("p99_ms", 3))]
+        spread = kv_med(runs, "GET", "rps")[1] if len(runs) > 1 else None
+        w(f"| {label} | {p} | {len(runs)} | {' | '.join(cells[:3])} | {cells[3]} | "
+          f"{'—' if spread is None else f(spread, 0) + '%'} | {' | '.join(cells[4:])} |")
+
+    for scheme, label in KV_GATEWAYS:
         for p in (1, 16):
-            r = kv[(label, p)] or {}
-            s_, g_ = r.get("SET", {}), r.get("GET", {})
-            w(f"| {label} | {p} | {f(s_.get('rps'), 0)} | {f(s_.get('p50_ms'), 3)} | {f(s_.get('p99_ms'), 3)} | "
-              f"{f(g_.get('rps'), 0)} | {f(g_.get('p50_ms'), 3)} | {f(g_.get('p99_ms'), 3)} |")
+            kv_row(label, p, kv_gw[(scheme, p)])
+        for p in (1, 16):
+            kv_row(f"{KV_REDIS}, between the {scheme}:// gateway's rounds", p, kv_red[(scheme, p)])
+    for p in (1, 16):
+        kv_row("memcached (text protocol, memcached_load)", p, [kv_mc[p]] if kv_mc[p] else [])
     w("")
 
     benches = {}
@@ -615,12 +640,14 @@ if any(kv.values()):
     w("| target | measured | met |")
     w("|---|---|---|")
     for p in (1, 16):
-        red = (kv[("redis-server 7", p)] or {}).get("GET")
-        for label in ("rdmx gateway, 2 nodes over tcp://", "rdmx gateway, 2 nodes over rdma:// (soft RoCE)"):
-            g = (kv[(label, p)] or {}).get("GET")
-            if red and g:
-                target(f"{label}: GET ≥ redis-server GET at P{p}",
-                       f"{f(g['rps'] / red['rps'])} × ({f(g['rps'], 0)} vs {f(red['rps'], 0)} ops/s)", g["rps"] >= red["rps"])
+        for scheme, label in KV_GATEWAYS:
+            g, g_sp = kv_med(kv_gw[(scheme, p)], "GET", "rps")
+            r, r_sp = kv_med(kv_red[(scheme, p)], "GET", "rps")
+            if g and r:
+                n = min(len(kv_gw[(scheme, p)]), len(kv_red[(scheme, p)]))
+                rounds_ = f"medians of {n} interleaved rounds" if n > 1 else "one round"
+                target(f"{label}: GET ≥ redis-server GET at P{p} ({rounds_})",
+                       f"{f(g / r)} × ({f(g, 0)} ±{f(g_sp, 0)}% vs {f(r, 0)} ±{f(r_sp, 0)}% ops/s)", g >= r)
     for scheme in ("tcp", "rdma"):
         a, b = rounds.get((scheme, "one-sided")), rounds.get((scheme, "rpc"))
         if a and b and a[0][0] and b[0][0]:

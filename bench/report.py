@@ -602,7 +602,9 @@ if any(kv_gw.values()) or any(kv_red.values()):
         w("### rdmx kv bench: one-sided GET against RPC GET\n")
         w("The native client, 32 operations in flight, keys by Zipf 0.99 over 1 M keys (the "
           "hottest loaded first, as many as fit 60% of the nodes' memory), 95/5 GET/SET "
-          "(YCSB-B) or 100% GET. Node CPU is both nodes' process CPU seconds over the run "
+          "(YCSB-B) or 100% GET, measured after an unmeasured warm-up of the same mix (each row "
+          "is a new client process: the warm-up gives it a running client's connections and "
+          "pointer cache). Node CPU is both nodes' process CPU seconds over the run "
           "per million GETs. Over TCP and soft RoCE the one-sided reads are still served by "
           "software in the node process (a NIC would serve them without it).\n")
         w(f"Command: `{cmd('kv_bench_tcp_100_95_one-sided')}` (likewise for each row).\n")

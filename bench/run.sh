@@ -212,7 +212,7 @@ if need redis-server && need redis-benchmark && need memcached; then
   echo "KV cache: the gateway, redis-server and memcached; rdmx kv bench" >&2
   cargo build --release -q -p rdmx-kv --example memcached_load
   freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-  if [ -n "${QUICK:-}" ]; then KVN=20000; KVKEYS=50000; KVDUR=500; else KVN=200000; KVKEYS=1000000; KVDUR=3000; fi
+  if [ -n "${QUICK:-}" ]; then KVN=20000; KVKEYS=50000; KVDUR=500; KVWARM=100; else KVN=200000; KVKEYS=1000000; KVDUR=3000; KVWARM=1000; fi
   waitport() { for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; return 1; }
   # Nodes, gateway and the native client (`kv bench`) run one worker thread
   # each (--threads 1), as redis-server runs one: three or four processes
@@ -256,7 +256,7 @@ if need redis-server && need redis-benchmark && need memcached; then
       for mix in 95 100; do
         for path in one-sided rpc; do
           run kv_bench_${scheme}_${value}_${mix}_$path $RDMX --threads 1 kv bench --nodes $NODES --keys $KVKEYS --value $value \
-            --get-percent $mix --path $path --duration-ms $KVDUR --no-load --json
+            --get-percent $mix --path $path --duration-ms $KVDUR --warmup-ms $KVWARM --no-load --json
         done
       done
       if [ "$value" = 100 ]; then
@@ -265,7 +265,7 @@ if need redis-server && need redis-benchmark && need memcached; then
         for round in 1 2 3; do
           for path in one-sided rpc; do
             run kv_bench_${scheme}_100_100_${path}_r$round $RDMX --threads 1 kv bench --nodes $NODES --keys $KVKEYS --value 100 \
-              --get-percent 100 --path $path --duration-ms $KVDUR --no-load --json
+              --get-percent 100 --path $path --duration-ms $KVDUR --warmup-ms $KVWARM --no-load --json
           done
         done
       fi

@@ -84,9 +84,14 @@ enum KvCmd {
         /// GET path: one-sided or rpc.
         #[arg(long, default_value = "one-sided", value_parser = ["one-sided", "rpc"])]
         path: String,
-        /// Run length in milliseconds (after loading).
+        /// Run length in milliseconds (after loading and the warm-up).
         #[arg(long, default_value_t = 5000)]
         duration_ms: u64,
+        /// Run the same mix this long first, unmeasured: a long-running
+        /// client's state (connections, the pointer cache of where items
+        /// are) rather than a fresh process's.
+        #[arg(long, default_value_t = 0)]
+        warmup_ms: u64,
         /// Operations in flight.
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
@@ -250,6 +255,7 @@ pub(crate) async fn run(a: KvArgs) -> Result<(), Error> {
             value,
             path: p,
             duration_ms,
+            warmup_ms,
             concurrency,
             load,
             no_load,
@@ -273,6 +279,13 @@ pub(crate) async fn run(a: KvArgs) -> Result<(), Error> {
             let c = client(nodes, &secret).await?;
             let kv = |e: rdmx_kv::KvError| Error::Protocol(e.to_string());
             bench::load(&c, &cfg).await.map_err(kv)?;
+            if warmup_ms > 0 {
+                let warmup = BenchConfig {
+                    duration: Duration::from_millis(warmup_ms),
+                    ..cfg.clone()
+                };
+                bench::run(&c, &warmup).await.map_err(kv)?;
+            }
             let r = bench::run(&c, &cfg).await.map_err(kv)?;
             if json {
                 println!(

@@ -115,3 +115,55 @@ fn two_nodes_a_gateway_and_redis_cli() {
     );
     let _ = std::fs::remove_file(&file);
 }
+
+/// `rdmx kv bench` against two nodes: a loading run, then a run after a
+/// warm-up in a new process. Every GET finds its value (all keys loaded),
+/// the counts add up, and a one-sided GET takes one READ (the pointer the
+/// client remembered) or two (bucket, then item), never more.
+#[test]
+fn kv_bench_loads_warms_up_and_reports() {
+    let (n1, n2) = (port(), port());
+    let (u1, u2) = (
+        format!("tcp://127.0.0.1:{n1}"),
+        format!("tcp://127.0.0.1:{n2}"),
+    );
+    let _a = Spawned::start(
+        &["kv", "server", "--listen", &u1, "--memory", "16m"],
+        "bytes for items",
+    );
+    let _b = Spawned::start(
+        &["kv", "server", "--listen", &u2, "--memory", "16m"],
+        "bytes for items",
+    );
+    let nodes = format!("{u1},{u2}");
+    let bench = |extra: &[&str]| -> serde_json::Value {
+        let out = common::rdmx()
+            .args(["kv", "bench", "--nodes", &nodes, "--keys", "500"])
+            .args(["--get-percent", "100", "--duration-ms", "300", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    for r in [
+        bench(&["--load", "500"]),
+        bench(&["--no-load", "--warmup-ms", "300"]),
+        bench(&["--no-load", "--path", "rpc"]),
+    ] {
+        let gets = r["gets"].as_u64().unwrap();
+        assert!(gets > 0, "{r}");
+        assert_eq!(r["sets"].as_u64(), Some(0), "{r}");
+        assert_eq!(r["hit_ratio"].as_f64(), Some(1.0), "{r}");
+        let reads = r["reads_per_get"].as_f64().unwrap();
+        if r["path"] == "one-sided" {
+            assert!((1.0..=2.0).contains(&reads), "{r}");
+        } else {
+            assert_eq!(reads, 0.0, "{r}");
+        }
+    }
+}

@@ -35,18 +35,12 @@ fn transports() -> Transports {
         .with(rdmx_transport_rdma::RdmaTransport::new())
 }
 
-/// The bytes of chunk `i`: a xorshift stream seeded by `i`.
+/// The bytes of chunk `i`: a multiplicative hash of each byte's position
+/// in the namespace, so that no two chunks (or blocks) are alike.
 fn chunk(i: u64) -> Bytes {
-    let mut x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (0..CHUNK)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect::<Vec<u8>>()
-        .into()
+    let base = i * CHUNK as u64;
+    let byte = |j: u64| ((base + j).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8;
+    (0..CHUNK as u64).map(byte).collect::<Vec<u8>>().into()
 }
 
 #[tokio::main]

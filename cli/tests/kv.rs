@@ -143,11 +143,7 @@ fn kv_bench_loads_warms_up_and_reports() {
             .args(extra)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", common::explain(&out));
         serde_json::from_slice(&out.stdout).unwrap()
     };
     for r in [

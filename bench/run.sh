@@ -226,6 +226,11 @@ if need redis-server && need redis-benchmark && need memcached; then
   R=$!
   waitport $RP
   if [ -n "${QUICK:-}" ]; then KVROUNDS=1; else KVROUNDS="1 2 3"; fi
+  # redis_load NAME PORT P: redis-benchmark's SET then GET, P pipelined, the
+  # same load against the gateway and against redis-server.
+  redis_load() {
+    run "$1" redis-benchmark -h 127.0.0.1 -p "$2" -c 50 -d 100 -r 100000 -t set,get -n $((KVN * $3 / 2 + KVN / 2)) -P "$3" --csv
+  }
   for scheme in tcp rdma; do
     P1=$(freeport); P2=$(freeport); GW=$(freeport)
     n1cmd="$RDMX --threads 1 kv server --listen $scheme://127.0.0.1:$P1 --memory 256m"
@@ -243,8 +248,8 @@ if need redis-server && need redis-benchmark && need memcached; then
     waitport $GW
     for round in $KVROUNDS; do
       for P in 1 16; do
-        run kv_gw_${scheme}_P${P}_r$round redis-benchmark -h 127.0.0.1 -p $GW -c 50 -d 100 -r 100000 -t set,get -n $((KVN * P / 2 + KVN / 2)) -P $P --csv
-        run kv_redis_${scheme}_P${P}_r$round redis-benchmark -h 127.0.0.1 -p $RP -c 50 -d 100 -r 100000 -t set,get -n $((KVN * P / 2 + KVN / 2)) -P $P --csv
+        redis_load kv_gw_${scheme}_P${P}_r$round $GW $P
+        redis_load kv_redis_${scheme}_P${P}_r$round $RP $P
       done
     done
     kill $G 2>/dev/null || true

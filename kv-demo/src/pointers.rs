@@ -7,10 +7,11 @@
 //! (a hash map's lookup, control bytes then bucket, missed the CPU cache
 //! twice per GET: a tenth of the RESP gateway's CPU at 16 pipelined
 //! commands). An entry is the node's own 16-byte index entry, whose 32-bit
-//! tag comes from the hash's high half; the line comes from the low bits,
-//! so a hit matches 32 bits plus the line's of the hash (48 for 2^18
-//! entries). A wrong hit costs one READ:
-//! the item holds its key, and its verification fails.
+//! tag comes from the hash's high half; the cache compares 31 of those bits
+//! (the top one is the way's reference bit, below) and the line comes from
+//! the low bits, so a hit matches 31 bits plus the line's of the hash (47
+//! for 2^18 entries). A wrong hit costs one READ: the item holds its key,
+//! and its verification fails.
 //!
 //! A newcomer takes the way of its own tag if there is one, else an empty
 //! way, else one not read since the line last filled up (not-recently-used
@@ -19,9 +20,9 @@
 //! thus displaces another such key, not a hot one; random replacement let
 //! every newcomer evict a hot entry one time in four (`zipf_hit_ratio`
 //! below: hits 0.686 of a Zipf(0.99) stream with random replacement, 0.755
-//! with this). When every way of a full line
-//! has been read, all bits are cleared and two more bits of the hash pick
-//! the victim. The memory is fixed at creation and never grows.
+//! with this). When every way of a full line has been read, all bits are
+//! cleared and two more bits of the hash pick the victim. The memory is
+//! fixed at creation and never grows.
 
 use crate::layout::Entry;
 

@@ -89,6 +89,8 @@ counters! {
     socket_writes,
     /// Read system calls on the socket (TCP transport), those that found nothing included.
     socket_reads,
+    /// SENDs that carried several messages (RDMA transports): `sends` per bundle shows the bundling.
+    bundles_sent,
 }
 
 impl Stats {

@@ -2,12 +2,13 @@
 //!
 //! ```text
 //! TCP:  handshake (magic, version, limits, auth)  ─> PARAMS (version 2, 40 B: QPN, PSN, GID,
-//!       UDP port, MTU, SR, ACK timeout, retry and RNR retry counts; both ends use the
-//!       smaller MTU and the more patient timers)
+//!       UDP port, MTU, SR, bundles, ACK timeout, retry and RNR retry counts; both ends
+//!       use the smaller MTU and the more patient timers)
 //!       ─> READY; then the TCP stream stays as the control channel:
 //!       CREDIT (receives re-posted), CLASSIFY (why was an access refused?),
 //!       RESET / RESET_ACK / NEED_RESET (replace a QP that went to ERROR), CLOSE.
-//! RC QP: every send, write, read and atomic.
+//! RC QP: every send, write, read and atomic; a batch of small messages
+//!       (`send_many`) as bundles, several to a SEND, for a peer that takes them.
 //! ```
 //!
 //! A remote access violation puts both QPs in ERROR (IBTA 9.9.3, class C
@@ -36,6 +37,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info_span, warn, Instrument};
 
+use crate::bundle;
 use crate::verbs::{
     CompletionHandler, CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind,
     QpOptions, QpPeer, QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -46,6 +48,8 @@ pub const RDMA_VERSION: u16 = 2;
 const PARAMS_MAGIC: &[u8; 4] = b"RDMA";
 const PARAMS_LEN: usize = 40;
 const FLAG_SR: u16 = 1;
+/// The sender of these PARAMS takes bundles of messages (bundle.rs).
+const FLAG_BUNDLES: u16 = 2;
 const RECV_BIT: u64 = 1 << 63;
 /// Largest single READ/WRITE (the RETH DMA length is 32 bits; 2^31 as rxe).
 pub const MAX_RDMA_SIZE: u64 = 1 << 31;
@@ -55,6 +59,8 @@ pub const MAX_RDMA_SIZE: u64 = 1 << 31;
 pub(crate) struct Params {
     pub(crate) version: u16,
     pub(crate) selective_repeat: bool,
+    /// Takes several messages in one SEND (bundle.rs).
+    pub(crate) bundles: bool,
     pub(crate) qpn: u32,
     pub(crate) psn: u32,
     pub(crate) udp_port: u16,
@@ -68,7 +74,9 @@ impl Params {
         let mut b = Vec::with_capacity(PARAMS_LEN);
         b.put_slice(PARAMS_MAGIC);
         b.put_u16_le(self.version);
-        b.put_u16_le(if self.selective_repeat { FLAG_SR } else { 0 });
+        let flags = if self.selective_repeat { FLAG_SR } else { 0 }
+            | if self.bundles { FLAG_BUNDLES } else { 0 };
+        b.put_u16_le(flags);
         b.put_u32_le(self.qpn);
         b.put_u32_le(self.psn);
         b.put_u16_le(self.udp_port);
@@ -128,6 +136,7 @@ impl Params {
         Ok(Params {
             version,
             selective_repeat: flags & FLAG_SR != 0,
+            bundles: flags & FLAG_BUNDLES != 0,
             qpn,
             psn,
             udp_port,
@@ -367,7 +376,16 @@ struct State {
     /// Consumed since the last CREDIT message.
     consumed: (u32, u64),
     classifying: FxHashMap<u64, Reply>,
-    inc_tx: Option<mpsc::UnboundedSender<Incoming>>,
+    inc_tx: Option<mpsc::UnboundedSender<Delivery>>,
+}
+
+/// A message (or write-with-immediate notice) for the application, and the
+/// receive it came in: `release` is the receive's byte count when the
+/// application taking this one frees it (a bundle's last message), `None`
+/// while later messages of its bundle still wait.
+struct Delivery {
+    inc: Incoming,
+    release: Option<u64>,
 }
 
 struct Credits {
@@ -405,7 +423,9 @@ pub(crate) struct Shared {
     path: QpPeer,
     st: Mutex<State>,
     ctl: mpsc::UnboundedSender<Ctl>,
-    incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+    incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Delivery>>,
+    /// The peer takes bundles of messages (bundle.rs).
+    peer_bundles: bool,
     credits: Mutex<Credits>,
     credit_notify: Notify,
     /// Sends and writes with immediate post in the order they were first
@@ -493,6 +513,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     let mine = Params {
         version: RDMA_VERSION,
         selective_repeat: provider.selective_repeat(),
+        bundles: true,
         qpn: qp.qpn(),
         psn: random_psn(),
         udp_port: port.udp_port,
@@ -583,6 +604,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         }),
         ctl: ctl_tx,
         incoming: tokio::sync::Mutex::new(inc_rx),
+        peer_bundles: peer.bundles,
         credits: Mutex::new(Credits {
             msgs: agreed.peer.credits,
             bytes: agreed.peer.window,
@@ -808,20 +830,54 @@ impl Shared {
     /// place in flight and a receive credit are free; `reply` gets its
     /// completion (`None`: detached).
     async fn post_message(&self, msg: Bytes, reply: Option<Reply>) -> Result<()> {
+        self.check_message(msg.len() as u64)?;
+        let order = self.send_order.lock().await;
+        self.post_in_order(msg, None, reply).await?;
+        drop(order);
+        Ok(())
+    }
+
+    /// Post a SEND of `msg` (with `imm`) once a place in flight and a
+    /// receive credit are free; the caller holds `send_order`.
+    async fn post_in_order(
+        &self,
+        msg: Bytes,
+        imm: Option<u32>,
+        reply: Option<Reply>,
+    ) -> Result<()> {
         let len = msg.len() as u64;
         self.check_message(len)?;
-        let order = self.send_order.lock().await;
         let permit = self.permit().await?;
         self.take_credit(len).await?;
-        self.submit_with(
-            SendOp::Send {
-                sg: vec![msg],
-                imm: None,
-            },
-            permit,
-            reply,
-        )?;
+        self.submit_with(SendOp::Send { sg: vec![msg], imm }, permit, reply)
+    }
+
+    /// Send `msgs` in order, small ones bundled several to a SEND where
+    /// the peer takes bundles (bundle.rs); waits for every completion.
+    async fn post_many(&self, msgs: Vec<Bytes>) -> Result<()> {
+        let posts = if self.peer_bundles {
+            bundle::plan(msgs, self.peer_limits.max_message as usize)
+        } else {
+            msgs.into_iter().map(bundle::Post::Single).collect()
+        };
+        let mut waits = Vec::with_capacity(posts.len());
+        let order = self.send_order.lock().await;
+        for post in posts {
+            let (msg, imm) = match post {
+                bundle::Post::Single(m) => (m, None),
+                bundle::Post::Bundle { payload, .. } => {
+                    self.stats.add(|s| &s.bundles_sent, 1);
+                    (payload, Some(bundle::BUNDLE_IMM))
+                }
+            };
+            let (tx, rx) = oneshot::channel();
+            self.post_in_order(msg, imm, Some(tx)).await?;
+            waits.push(rx);
+        }
         drop(order);
+        for rx in waits {
+            wait(rx, self).await?;
+        }
         Ok(())
     }
 
@@ -881,17 +937,30 @@ impl Shared {
         if wc.wr_id & RECV_BIT != 0 {
             match wc.status {
                 WcStatus::Success => {
-                    let inc = match wc.opcode {
-                        WcOpcode::RecvWriteImm => Incoming::WriteImm {
+                    let release = Some(wc.byte_len);
+                    let incs = match wc.opcode {
+                        WcOpcode::RecvWriteImm => vec![Incoming::WriteImm {
                             imm: wc.imm.unwrap_or(0),
                             len: wc.byte_len,
+                        }],
+                        _ if wc.imm == Some(bundle::BUNDLE_IMM) => match bundle::split(&wc.data) {
+                            Ok(parts) => parts.into_iter().map(Incoming::Message).collect(),
+                            Err(why) => {
+                                drop(st);
+                                self.die(Error::Protocol(format!("peer sent {why}")));
+                                return;
+                            }
                         },
-                        _ => Incoming::Message(wc.data),
+                        _ => vec![Incoming::Message(wc.data)],
                     };
                     st.buffered += 1;
                     self.stats.add(|s| &s.bytes_received, wc.byte_len);
                     if let Some(tx) = &st.inc_tx {
-                        let _ = tx.send(inc);
+                        let last = incs.len() - 1;
+                        for (i, inc) in incs.into_iter().enumerate() {
+                            let release = if i == last { release } else { None };
+                            let _ = tx.send(Delivery { inc, release });
+                        }
                     }
                 }
                 WcStatus::Flushed => self.begin_reset(&mut st),
@@ -1378,6 +1447,11 @@ impl RawConnection for RdmaConnection {
         })
     }
 
+    fn send_many(&self, msgs: Vec<Bytes>) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move { sh.post_many(msgs).await })
+    }
+
     fn post_send(&self, msg: Bytes) -> BoxFuture<'static, Result<()>> {
         let sh = self.sh.clone();
         // No receiver for the completion: its ACK wakes nobody (a caller
@@ -1390,13 +1464,17 @@ impl RawConnection for RdmaConnection {
         Box::pin(async move {
             let mut rx = sh.incoming.lock().await;
             match rx.recv().await {
-                Some(inc) => {
-                    let bytes = match &inc {
-                        Incoming::Message(b) => b.len() as u64,
-                        Incoming::WriteImm { .. } => 0,
-                    };
+                Some(Delivery { inc, release }) => {
                     drop(rx);
-                    sh.consumed(bytes);
+                    if let Some(bytes) = release {
+                        // The receive's credit is its message's bytes (a
+                        // write-with-immediate notice takes none).
+                        let bytes = match inc {
+                            Incoming::WriteImm { .. } => 0,
+                            Incoming::Message(_) => bytes,
+                        };
+                        sh.consumed(bytes);
+                    }
                     Ok(inc)
                 }
                 None => Err(sh.dead_error()),
@@ -1537,6 +1615,7 @@ mod tests {
         let p = Params {
             version: RDMA_VERSION,
             selective_repeat: true,
+            bundles: true,
             qpn: 0x12345,
             psn: 0xABCDEF,
             udp_port: 4791,

@@ -1,10 +1,15 @@
 //! Connection options that shape the data path: adaptive busy polling
-//! (`Options::busy_poll`) moves the same bytes as sleeping, and operations
-//! beyond `Options::max_inflight` wait instead of failing.
+//! (`Options::busy_poll`) moves the same bytes as sleeping, operations
+//! beyond `Options::max_inflight` wait instead of failing, and bundles
+//! (several small messages in one SEND, src/bundle.rs) under a small
+//! receive window (`Options::recv_window`) arrive whole and in order and
+//! return every credit they take (a leak would stall a transfer many times
+//! the window), with fewer SENDs than messages.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rdmx_conformance::{pattern, Suite};
 use rdmx_core::{Access, Options};
@@ -79,4 +84,73 @@ async fn operations_beyond_max_inflight_wait() {
     for i in 0..300 {
         assert_eq!(mr.load_u64(i * 8), i as u64 + 1000);
     }
+}
+
+/// Batch `b`'s message `i`: mostly small (bundled), every 17th past the
+/// bundling limit (sent alone), some empty.
+fn message(b: u64, i: u64) -> Bytes {
+    let len = if i % 17 == 16 {
+        20_000 + (i as usize * 7) % 3000
+    } else {
+        ((b * 131 + i * 977) % 3000) as usize
+    };
+    Bytes::from(pattern(b * 10_000 + i, len))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_bundle_small_messages_and_return_every_credit() {
+    let suite = soft_suite();
+    // A small window: 8 receives and 96 KiB, returned a quarter at a time.
+    let small = Options {
+        recv_credits: 8,
+        recv_window: 96 << 10,
+        max_message: 72 << 10,
+        ..Options::default()
+    };
+    let p = suite.pair_with(Options::default(), small).await;
+    const BATCHES: u64 = 300;
+    const PER_BATCH: u64 = 40;
+    let sender = {
+        let c = p.client.clone();
+        tokio::spawn(async move {
+            for b in 0..BATCHES {
+                let batch = (0..PER_BATCH).map(|i| message(b, i)).collect();
+                c.send_many(batch).await.expect("send_many");
+            }
+        })
+    };
+    let mut bytes = 0u64;
+    let got_all = tokio::time::timeout(Duration::from_secs(120), async {
+        for b in 0..BATCHES {
+            for i in 0..PER_BATCH {
+                let m = p.server.recv_message().await.expect("recv");
+                assert_eq!(m, message(b, i), "batch {b} message {i}");
+                bytes += m.len() as u64;
+            }
+        }
+    })
+    .await;
+    assert!(
+        got_all.is_ok(),
+        "stalled: a bundle's credits were not returned"
+    );
+    sender.await.unwrap();
+    assert!(
+        bytes > 100 * (96 << 10),
+        "the transfer ({bytes} bytes) must dwarf the window"
+    );
+    let c = p.client.stats();
+    let total = BATCHES * PER_BATCH;
+    assert_eq!(c.sends, total, "each message counts as a send");
+    assert_eq!(p.server.stats().recvs, total);
+    // Per batch: two or three messages past the limit go alone, and the
+    // small ones between them share a SEND.
+    assert!(
+        c.bundles_sent >= BATCHES && c.bundles_sent <= BATCHES * 4,
+        "{} bundles for {BATCHES} batches",
+        c.bundles_sent
+    );
+    // The connection is still whole: a plain send after all that.
+    p.client.send(&b"after"[..]).await.unwrap();
+    assert_eq!(&p.server.recv_message().await.unwrap()[..], b"after");
 }

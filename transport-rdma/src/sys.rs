@@ -1,8 +1,9 @@
-//! The crate's `unsafe` code, five small blocks: registering a
+//! The crate's `unsafe` code, seven small blocks: registering a
 //! completion-event fd and a UDP socket with tokio's reactor, waiting for a
 //! borrowed socket to take writes, steering received packets to
 //! receive queues by destination QP (a classic-BPF reuseport program, the RSS a
-//! NIC does in hardware), and reading the kernel's path MTU towards a peer.
+//! NIC does in hardware), reading the kernel's path MTU towards a peer, and
+//! sending several UDP messages in one `sendmmsg`.
 //! Each is exercised by the tests below and by every connection.
 #![allow(unsafe_code)]
 
@@ -171,6 +172,75 @@ pub(crate) fn path_mtu(local: std::net::IpAddr, peer: std::net::IpAddr) -> io::R
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn path_mtu(_local: std::net::IpAddr, _peer: std::net::IpAddr) -> io::Result<u32> {
     Ok(1500)
+}
+
+/// One message of a [`sendmmsg`]: its pieces and its control messages.
+pub(crate) struct OutMsg<'a> {
+    /// The datagram's (or GSO run's) bytes, in order.
+    pub(crate) iov: &'a [std::io::IoSlice<'a>],
+    /// Control messages as the kernel reads them (may be empty).
+    pub(crate) control: &'a [u8],
+}
+
+/// Send `msgs` to `to` from `sock` in one `sendmmsg(2)`, each message as
+/// `sendmsg` would send it (its own datagram, or GSO run). Returns how many
+/// the kernel took, from the first: fewer than all when one after the first
+/// failed (an error only when the first did).
+#[cfg(target_os = "linux")]
+pub(crate) fn sendmmsg(
+    sock: &impl AsRawFd,
+    to: &socket2::SockAddr,
+    msgs: &[OutMsg<'_>],
+) -> io::Result<usize> {
+    let mut hdrs: Vec<libc::mmsghdr> = msgs
+        .iter()
+        .map(|m| {
+            // SAFETY: all-zero bytes are a valid `mmsghdr` (null pointers,
+            // zero lengths); every field the kernel reads is set below.
+            let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
+            h.msg_hdr.msg_name = to.as_ptr() as *mut libc::c_void;
+            h.msg_hdr.msg_namelen = to.len();
+            // `IoSlice` is ABI-compatible with `iovec` on Unix (std's guarantee).
+            h.msg_hdr.msg_iov = m.iov.as_ptr() as *mut libc::iovec;
+            h.msg_hdr.msg_iovlen = m.iov.len() as _;
+            if !m.control.is_empty() {
+                h.msg_hdr.msg_control = m.control.as_ptr() as *mut libc::c_void;
+                h.msg_hdr.msg_controllen = m.control.len() as _;
+            }
+            h
+        })
+        .collect();
+    // SAFETY: every header points at memory borrowed for this call (the
+    // address `to`, each message's iovecs and the buffers they name, its
+    // control bytes), with the lengths of those borrows; the kernel only
+    // reads them, and writes each header's `msg_len`, inside `hdrs`. `sock`
+    // is an open socket for the duration of the call.
+    let r = unsafe {
+        libc::sendmmsg(
+            sock.as_raw_fd(),
+            hdrs.as_mut_ptr(),
+            hdrs.len() as libc::c_uint,
+            0,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// Elsewhere: not offered (callers send one message at a time).
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn sendmmsg(
+    _sock: &impl AsRawFd,
+    _to: &socket2::SockAddr,
+    _msgs: &[OutMsg<'_>],
+) -> io::Result<usize> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "no sendmmsg here",
+    ))
 }
 
 #[cfg(test)]

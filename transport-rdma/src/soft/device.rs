@@ -1328,8 +1328,8 @@ impl SoftQp {
     /// EMSGSIZE) all later sends of this socket go that way too. Nothing is
     /// dropped for being gathered.
     fn send_batch(self: &Arc<Self>, tx: &Arc<Tx>, dst: SocketAddr, inner: &mut Inner) -> bool {
-        let mut i = 0;
         let segs = std::mem::take(&mut inner.segs);
+        let mut i = self.send_runs_at_once(tx, dst, inner, &segs);
         while i < segs.len() {
             let size = segs[i];
             let j = gso_run_end(&segs, i);
@@ -1388,6 +1388,51 @@ impl SoftQp {
         }
         inner.segs = segs;
         true
+    }
+
+    /// Send a batch of several GSO runs (datagrams of different sizes: a
+    /// WRITE's full packets and the SEND behind it, an ACK and an answer) in
+    /// one `sendmmsg` instead of a `sendmsg` each. Returns the index of the
+    /// first datagram not sent (0: nothing was, including when the batch is
+    /// one run or gathered sends were refused); [`SoftQp::send_batch`] sends
+    /// the rest, one run at a time, and handles a full socket.
+    fn send_runs_at_once(&self, tx: &Tx, dst: SocketAddr, inner: &Inner, segs: &[usize]) -> usize {
+        if tx.gather_refused.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < segs.len() {
+            let j = gso_run_end(segs, i);
+            runs.push((i..j, (j - i > 1).then_some(segs[i])));
+            i = j;
+        }
+        if runs.len() < 2 {
+            return 0;
+        }
+        let c = &self.dev.counters;
+        c.tx_calls.fetch_add(1, Ordering::Relaxed);
+        let ecn = self.dev.cfg.ecn;
+        let sent = match gather::send_runs(
+            &tx.sock,
+            tx.local,
+            dst,
+            ecn,
+            &inner.out,
+            &inner.grams,
+            &runs,
+        ) {
+            Ok(n) => n,
+            Err(_) => return 0,
+        };
+        let Some(last) = sent.checked_sub(1) else {
+            return 0;
+        };
+        let end = runs[last].0.end;
+        c.tx_packets.fetch_add(end as u64, Ordering::Relaxed);
+        c.tx_bytes
+            .fetch_add(segs[..end].iter().sum::<usize>() as u64, Ordering::Relaxed);
+        end
     }
 
     /// Send one GSO run (`grams`, `len` bytes in all) from one buffer through

@@ -99,28 +99,9 @@ pub(crate) fn send(
     segment: Option<usize>,
 ) -> io::Result<()> {
     let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
-    for d in datagrams {
-        for p in d.pieces(scratch) {
-            if !p.is_empty() {
-                iov.push(IoSlice::new(p));
-            }
-        }
-    }
-    let segment =
-        match segment {
-            Some(s) => Some(u16::try_from(s).map_err(|_| {
-                io::Error::new(io::ErrorKind::InvalidInput, "GSO segment over 64 KiB")
-            })?),
-            None => None,
-        };
-    // A socket of one family sends to that family (the QP's socket is
-    // bound to the local address of its path).
-    let dst = match (local, dst) {
-        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
-            SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port())
-        }
-        _ => dst,
-    };
+    push_pieces(&mut iov, scratch, datagrams);
+    let segment = segment_u16(segment)?;
+    let dst = family_of(local, dst);
     let ctl = control(dst.is_ipv6() && !is_v4_mapped(&dst), ecn, segment);
     let addr = socket2::SockAddr::from(dst);
     let mut msg = socket2::MsgHdr::new().with_addr(&addr).with_buffers(&iov);
@@ -128,6 +109,75 @@ pub(crate) fn send(
         msg = msg.with_control(&ctl);
     }
     socket2::SockRef::from(sock).sendmsg(&msg, 0).map(|_| ())
+}
+
+/// Several runs of [`send`] (`runs`: each a range of `datagrams` and its
+/// GSO segment size, as [`send`] takes them) in one `sendmmsg`. Returns how
+/// many runs the kernel took, from the first (an error only when it took
+/// none): the caller sends the rest as it would have.
+pub(crate) fn send_runs(
+    sock: &UdpSocket,
+    local: SocketAddr,
+    dst: SocketAddr,
+    ecn: bool,
+    scratch: &[u8],
+    datagrams: &[Gathered],
+    runs: &[(std::ops::Range<usize>, Option<usize>)],
+) -> io::Result<usize> {
+    let dst = family_of(local, dst);
+    let ipv6 = dst.is_ipv6() && !is_v4_mapped(&dst);
+    let addr = socket2::SockAddr::from(dst);
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
+    let mut bounds = Vec::with_capacity(runs.len());
+    let mut controls = Vec::with_capacity(runs.len());
+    for (range, segment) in runs {
+        let start = iov.len();
+        push_pieces(&mut iov, scratch, &datagrams[range.clone()]);
+        bounds.push(start..iov.len());
+        controls.push(control(ipv6, ecn, segment_u16(*segment)?));
+    }
+    let msgs: Vec<crate::sys::OutMsg<'_>> = bounds
+        .into_iter()
+        .zip(&controls)
+        .map(|(b, c)| crate::sys::OutMsg {
+            iov: &iov[b],
+            control: c,
+        })
+        .collect();
+    crate::sys::sendmmsg(sock, &addr, &msgs)
+}
+
+/// Append the non-empty pieces of `datagrams`, in wire order.
+fn push_pieces<'a>(iov: &mut Vec<IoSlice<'a>>, scratch: &'a [u8], datagrams: &'a [Gathered]) {
+    for d in datagrams {
+        for p in d.pieces(scratch) {
+            if !p.is_empty() {
+                iov.push(IoSlice::new(p));
+            }
+        }
+    }
+}
+
+/// A GSO segment size as `UDP_SEGMENT` takes it.
+fn segment_u16(segment: Option<usize>) -> io::Result<Option<u16>> {
+    segment
+        .map(|s| {
+            u16::try_from(s)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "GSO segment over 64 KiB"))
+        })
+        .transpose()
+}
+
+/// A socket of one family sends to that family (the QP's socket is bound to
+/// the local address of its path): an IPv4 peer of an IPv6 socket is
+/// addressed as v4-mapped.
+fn family_of(local: SocketAddr, dst: SocketAddr) -> SocketAddr {
+    match (local, dst) {
+        (SocketAddr::V6(_), SocketAddr::V4(v4)) => {
+            SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port())
+        }
+        _ => dst,
+    }
 }
 
 fn is_v4_mapped(a: &SocketAddr) -> bool {
@@ -217,6 +267,70 @@ mod tests {
                 let got = recv_datagrams(&state, &rx, 1);
                 assert_eq!(&got[0].0[..], &want[i][..], "{ip}: lone datagram {i}");
                 assert_eq!(got[0].1, want_ecn, "{ip}: lone datagram {i}");
+            }
+        }
+    }
+
+    /// Runs of different sizes in one `sendmmsg` (a GSO run of two full
+    /// datagrams and a short last one, a lone small one, another run): the
+    /// receiver sees every datagram whole and in order.
+    #[tokio::test]
+    async fn runs_sent_at_once_arrive_as_their_datagrams_in_order() {
+        for ip in ["127.0.0.1", "::1"] {
+            let rx = std::net::UdpSocket::bind((ip, 0)).unwrap();
+            rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+                .unwrap();
+            let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
+            let tx = UdpSocket::bind((ip, 0)).unwrap();
+            tx.set_nonblocking(true).unwrap();
+            let mut scratch = Vec::new();
+            let mut grams = Vec::new();
+            let mut want = Vec::new();
+            // Sizes 1000, 1000, 600 | 40 | 700, 700.
+            for (i, (headers, plen)) in [
+                (28, 968),
+                (28, 968),
+                (28, 568),
+                (40, 0),
+                (12, 684),
+                (12, 684),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let at = scratch.len();
+                scratch.extend((0..headers).map(|k: usize| (k * 5 + i) as u8));
+                scratch.extend([i as u8; 4]);
+                let payload = Bytes::from(
+                    (0..plen)
+                        .map(|k: usize| (k * 11 + i) as u8)
+                        .collect::<Vec<_>>(),
+                );
+                let g = Gathered {
+                    at,
+                    headers,
+                    payload,
+                    trailer: 4,
+                };
+                want.push(g.to_vec(&scratch));
+                grams.push(g);
+            }
+            let runs = [(0..3, Some(1000)), (3..4, None), (4..6, Some(700))];
+            crate::sys::writable(&tx).await.unwrap();
+            let sent = send_runs(
+                &tx,
+                tx.local_addr().unwrap(),
+                rx.local_addr().unwrap(),
+                false,
+                &scratch,
+                &grams,
+                &runs,
+            )
+            .unwrap();
+            assert_eq!(sent, 3, "{ip}: every run taken");
+            let got = recv_datagrams(&state, &rx, want.len());
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(&got[i].0[..], &w[..], "{ip}: datagram {i}");
             }
         }
     }

@@ -1,4 +1,5 @@
-//! Bundles: several small messages carried by one SEND.
+//! Bundles: several small messages carried by one SEND (the wire format,
+//! public for fuzzing and for peers written elsewhere).
 //!
 //! On RDMA every message is a SEND, and every SEND costs the responder a
 //! receive, an acknowledgement and a completion, and at least one packet
@@ -20,23 +21,23 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// The immediate data that marks a SEND as a bundle ("RDMB").
-pub(crate) const BUNDLE_IMM: u32 = 0x5244_4d42;
+pub const BUNDLE_IMM: u32 = 0x5244_4d42;
 
 /// A message this large or larger always goes as a SEND of its own: copying
 /// it into a bundle would cost more than the packets it saves.
-pub(crate) const PART_MAX: usize = 16 << 10;
+pub const PART_MAX: usize = 16 << 10;
 
 /// Bytes one bundle holds at most (also bounded by the peer's largest
 /// message): a bundle is acknowledged as a whole, so a large one holds its
 /// first message's completion back.
-pub(crate) const BUNDLE_MAX: usize = 64 << 10;
+pub const BUNDLE_MAX: usize = 64 << 10;
 
 /// Length prefix of each message in a bundle.
 const PREFIX: usize = 4;
 
 /// What to post for a run of messages, in order.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Post {
+pub enum Post {
     /// One message, as a plain SEND.
     Single(Bytes),
     /// Several messages in one SEND with [`BUNDLE_IMM`].
@@ -51,7 +52,7 @@ pub(crate) enum Post {
 /// Group `msgs` into bundles of consecutive small messages, each at most
 /// `limit` bytes long (the peer's largest message, and [`BUNDLE_MAX`]);
 /// the rest go alone. Order is kept; a group of one goes alone.
-pub(crate) fn plan(msgs: Vec<Bytes>, limit: usize) -> Vec<Post> {
+pub fn plan(msgs: Vec<Bytes>, limit: usize) -> Vec<Post> {
     let limit = limit.min(BUNDLE_MAX);
     let mut out = Vec::new();
     let mut group: Vec<Bytes> = Vec::new();
@@ -92,8 +93,18 @@ pub(crate) fn plan(msgs: Vec<Bytes>, limit: usize) -> Vec<Post> {
 }
 
 /// The messages of a received bundle, in order (slices of `payload`, no
-/// copies), or why it is malformed (a length past its end, or no message).
-pub(crate) fn split(payload: &Bytes) -> Result<Vec<Bytes>, String> {
+/// copies), or why it is malformed (longer than [`BUNDLE_MAX`], a length
+/// past its end, or no message). The bound keeps what a peer can make us
+/// hold per receive small: each message handed out costs more than its
+/// 4-byte prefix, so 64 KiB of empty messages are about 1 MiB of entries,
+/// where a bundle as large as the largest message would be hundreds.
+pub fn split(payload: &Bytes) -> Result<Vec<Bytes>, String> {
+    if payload.len() > BUNDLE_MAX {
+        return Err(format!(
+            "a bundle of {} bytes (at most {BUNDLE_MAX})",
+            payload.len()
+        ));
+    }
     let mut parts = Vec::new();
     let mut at = 0;
     while at < payload.len() {
@@ -208,6 +219,11 @@ mod tests {
         assert!(e.contains("names a message of 5 bytes"), "{e}");
         let e = split(&Bytes::from_static(&[0xff, 0xff, 0xff, 0xff])).unwrap_err();
         assert!(e.contains("4294967295"), "{e}");
+        let huge = Bytes::from(vec![0u8; BUNDLE_MAX + 4]);
+        let e = split(&huge).unwrap_err();
+        assert!(e.contains("at most 65536"), "{e}");
+        let most = split(&Bytes::from(vec![0u8; BUNDLE_MAX])).unwrap();
+        assert_eq!(most.len(), BUNDLE_MAX / 4, "empty messages up to the bound");
         // Two well-formed empty messages are fine.
         let ok = split(&Bytes::from_static(&[0, 0, 0, 0, 0, 0, 0, 0])).unwrap();
         assert_eq!(ok, vec![Bytes::new(), Bytes::new()]);

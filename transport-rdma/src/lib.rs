@@ -22,7 +22,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(unsafe_code)]
 
-mod bundle;
+pub mod bundle;
 mod conn;
 pub mod hw;
 pub mod soft;

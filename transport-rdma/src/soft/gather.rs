@@ -188,45 +188,57 @@ fn is_v4_mapped(a: &SocketAddr) -> bool {
 mod tests {
     use super::*;
 
+    /// A receiving socket (with quinn-udp's state to read GRO batches and
+    /// ECN) and a non-blocking sending one, on `ip`.
+    fn sockets(ip: &str) -> (std::net::UdpSocket, quinn_udp::UdpSocketState, UdpSocket) {
+        let rx = std::net::UdpSocket::bind((ip, 0)).unwrap();
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .unwrap();
+        let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
+        let tx = UdpSocket::bind((ip, 0)).unwrap();
+        tx.set_nonblocking(true).unwrap();
+        (rx, state, tx)
+    }
+
+    /// Datagrams of the given (headers, payload, trailer) lengths, headers
+    /// and trailers in one scratch buffer, payloads separate, every byte
+    /// derived from its datagram's index; and each datagram's bytes whole.
+    fn datagrams(shapes: &[(usize, usize, usize)]) -> (Vec<u8>, Vec<Gathered>, Vec<Vec<u8>>) {
+        let mut scratch = Vec::new();
+        let mut grams = Vec::new();
+        let mut want = Vec::new();
+        for (i, &(headers, plen, trailer)) in shapes.iter().enumerate() {
+            let at = scratch.len();
+            scratch.extend((0..headers).map(|k: usize| (k + i) as u8));
+            scratch.extend((0..trailer).map(|k: usize| (k * 7 + i) as u8));
+            let payload = Bytes::from(
+                (0..plen)
+                    .map(|k: usize| (k * 3 + i) as u8)
+                    .collect::<Vec<_>>(),
+            );
+            let g = Gathered {
+                at,
+                headers,
+                payload,
+                trailer,
+            };
+            want.push(g.to_vec(&scratch));
+            grams.push(g);
+        }
+        (scratch, grams, want)
+    }
+
     /// What the receiving socket sees: every datagram whole and in order
     /// (GSO split them where the receiver does not coalesce), with the ECN
     /// codepoint asked for.
     #[tokio::test]
     async fn a_gathered_gso_send_arrives_as_its_datagrams() {
         for ip in ["127.0.0.1", "::1"] {
-            let rx = std::net::UdpSocket::bind((ip, 0)).unwrap();
-            rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
-                .unwrap();
-            let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
-            let tx = UdpSocket::bind((ip, 0)).unwrap();
-            tx.set_nonblocking(true).unwrap();
+            let (rx, state, tx) = sockets(ip);
             // Three datagrams of 1100 bytes and a shorter last one; the
             // payloads are separate buffers, one of them empty.
-            let mut scratch = Vec::new();
-            let mut grams = Vec::new();
-            let mut want = Vec::new();
-            for (i, (headers, plen, trailer)) in
-                [(12, 1000, 88), (13, 1000, 87), (1000, 0, 100), (15, 300, 4)]
-                    .into_iter()
-                    .enumerate()
-            {
-                let at = scratch.len();
-                scratch.extend((0..headers).map(|k: usize| (k + i) as u8));
-                scratch.extend((0..trailer).map(|k: usize| (k * 7 + i) as u8));
-                let payload = Bytes::from(
-                    (0..plen)
-                        .map(|k: usize| (k * 3 + i) as u8)
-                        .collect::<Vec<_>>(),
-                );
-                let g = Gathered {
-                    at,
-                    headers,
-                    payload,
-                    trailer,
-                };
-                want.push(g.to_vec(&scratch));
-                grams.push(g);
-            }
+            let (scratch, grams, want) =
+                datagrams(&[(12, 1000, 88), (13, 1000, 87), (1000, 0, 100), (15, 300, 4)]);
             assert_eq!(
                 want.iter().map(Vec::len).collect::<Vec<_>>(),
                 [1100, 1100, 1100, 319]
@@ -277,44 +289,20 @@ mod tests {
     #[tokio::test]
     async fn runs_sent_at_once_arrive_as_their_datagrams_in_order() {
         for ip in ["127.0.0.1", "::1"] {
-            let rx = std::net::UdpSocket::bind((ip, 0)).unwrap();
-            rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
-                .unwrap();
-            let state = quinn_udp::UdpSocketState::new((&rx).into()).unwrap();
-            let tx = UdpSocket::bind((ip, 0)).unwrap();
-            tx.set_nonblocking(true).unwrap();
-            let mut scratch = Vec::new();
-            let mut grams = Vec::new();
-            let mut want = Vec::new();
+            let (rx, state, tx) = sockets(ip);
             // Sizes 1000, 1000, 600 | 40 | 700, 700.
-            for (i, (headers, plen)) in [
-                (28, 968),
-                (28, 968),
-                (28, 568),
-                (40, 0),
-                (12, 684),
-                (12, 684),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let at = scratch.len();
-                scratch.extend((0..headers).map(|k: usize| (k * 5 + i) as u8));
-                scratch.extend([i as u8; 4]);
-                let payload = Bytes::from(
-                    (0..plen)
-                        .map(|k: usize| (k * 11 + i) as u8)
-                        .collect::<Vec<_>>(),
-                );
-                let g = Gathered {
-                    at,
-                    headers,
-                    payload,
-                    trailer: 4,
-                };
-                want.push(g.to_vec(&scratch));
-                grams.push(g);
-            }
+            let (scratch, grams, want) = datagrams(&[
+                (28, 968, 4),
+                (28, 968, 4),
+                (28, 568, 4),
+                (40, 0, 0),
+                (12, 684, 4),
+                (12, 684, 4),
+            ]);
+            assert_eq!(
+                want.iter().map(Vec::len).collect::<Vec<_>>(),
+                [1000, 1000, 600, 40, 700, 700]
+            );
             let runs = [(0..3, Some(1000)), (3..4, None), (4..6, Some(700))];
             crate::sys::writable(&tx).await.unwrap();
             let sent = send_runs(

@@ -937,7 +937,12 @@ impl Shared {
         if wc.wr_id & RECV_BIT != 0 {
             match wc.status {
                 WcStatus::Success => {
-                    let release = Some(wc.byte_len);
+                    // The receive's credit is its message's bytes (a
+                    // write-with-immediate notice takes none).
+                    let release = match wc.opcode {
+                        WcOpcode::RecvWriteImm => Some(0),
+                        _ => Some(wc.byte_len),
+                    };
                     let incs = match wc.opcode {
                         WcOpcode::RecvWriteImm => vec![Incoming::WriteImm {
                             imm: wc.imm.unwrap_or(0),
@@ -1467,12 +1472,6 @@ impl RawConnection for RdmaConnection {
                 Some(Delivery { inc, release }) => {
                     drop(rx);
                     if let Some(bytes) = release {
-                        // The receive's credit is its message's bytes (a
-                        // write-with-immediate notice takes none).
-                        let bytes = match inc {
-                            Incoming::WriteImm { .. } => 0,
-                            Incoming::Message(_) => bytes,
-                        };
                         sh.consumed(bytes);
                     }
                     Ok(inc)

@@ -1397,7 +1397,11 @@ impl SoftQp {
     /// one run or gathered sends were refused); [`SoftQp::send_batch`] sends
     /// the rest, one run at a time, and handles a full socket.
     fn send_runs_at_once(&self, tx: &Tx, dst: SocketAddr, inner: &Inner, segs: &[usize]) -> usize {
-        if tx.gather_refused.load(Ordering::Relaxed) {
+        // Most batches are one run: nothing to build for them.
+        if tx.gather_refused.load(Ordering::Relaxed)
+            || segs.is_empty()
+            || gso_run_end(segs, 0) == segs.len()
+        {
             return 0;
         }
         let mut runs = Vec::new();
@@ -1406,9 +1410,6 @@ impl SoftQp {
             let j = gso_run_end(segs, i);
             runs.push((i..j, (j - i > 1).then_some(segs[i])));
             i = j;
-        }
-        if runs.len() < 2 {
-            return 0;
         }
         let c = &self.dev.counters;
         c.tx_calls.fetch_add(1, Ordering::Relaxed);

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rdmx_core::{
     Access, AccessError, Connection, Error, Incoming, Listener, Options, RemoteRegion, Transport,
+    WriteThenSend,
 };
 use sha2::{Digest, Sha256};
 
@@ -925,6 +926,59 @@ impl Suite {
         for r in results {
             r.unwrap();
         }
+
+        // The same as one unit (`write_then_send_many`), messages of
+        // several sizes (some large enough to travel alone on RDMA): they
+        // arrive in order, each after its data, checked on a thread of its
+        // own as above.
+        let pairs: Vec<_> = (0..64u64)
+            .map(|i| {
+                let data = pattern(2000 + i, slot);
+                let mut msg = i.to_le_bytes().to_vec();
+                msg.extend_from_slice(&sha(&data));
+                msg.resize(40 + (i as usize % 5) * 9000, i as u8);
+                let dst = r.slice(i * slot as u64, slot as u64).unwrap();
+                WriteThenSend {
+                    dst,
+                    data: data.into(),
+                    msg: msg.into(),
+                }
+            })
+            .collect();
+        let server = p.server.clone();
+        let checker = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let mut wrong = Vec::new();
+                for want in 0..64u64 {
+                    let m = server.recv_message().await.unwrap();
+                    let i = u64::from_le_bytes(m[..8].try_into().unwrap());
+                    let at = i as usize * slot;
+                    let expect_len = 40 + (i as usize % 5) * 9000;
+                    if i != want
+                        || m.len() != expect_len
+                        || m[8..40] != sha(&mr.read()[at..at + slot])[..]
+                        || m[40..].iter().any(|&b| b != i as u8)
+                    {
+                        wrong.push(want);
+                    }
+                }
+                (wrong, mr)
+            })
+        });
+        let before = p.client.stats();
+        p.client.write_then_send_many(pairs).await.unwrap();
+        let (wrong, _mr) = checker.join().expect("checker");
+        assert!(
+            wrong.is_empty(),
+            "write_then_send_many: out of order or before its data: {wrong:?}"
+        );
+        let after = p.client.stats();
+        assert_eq!(after.writes - before.writes, 64);
+        assert_eq!(after.sends - before.sends, 64);
 
         // A refused write: the write's error; the message may have gone
         // (as documented), and the connection stays in step.

@@ -112,25 +112,7 @@ pub trait RawConnection: Send + Sync + 'static {
     /// (one `writev` for TCP). The default starts every send at once, in
     /// order (each posted before the next one is polled), and waits for all.
     fn send_many(&self, msgs: Vec<Bytes>) -> BoxFuture<'static, Result<()>> {
-        let mut sends: Vec<Option<BoxFuture<'static, Result<()>>>> =
-            msgs.into_iter().map(|m| Some(self.send(m))).collect();
-        Box::pin(std::future::poll_fn(move |cx| {
-            let mut busy = false;
-            for slot in sends.iter_mut() {
-                if let Some(f) = slot {
-                    match f.as_mut().poll(cx) {
-                        std::task::Poll::Ready(Ok(())) => *slot = None,
-                        std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
-                        std::task::Poll::Pending => busy = true,
-                    }
-                }
-            }
-            if busy {
-                std::task::Poll::Pending
-            } else {
-                std::task::Poll::Ready(Ok(()))
-            }
-        }))
+        all_in_order(msgs.into_iter().map(|m| self.send(m)).collect())
     }
     /// Receive the next message or write-with-immediate notice.
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>>;
@@ -180,6 +162,21 @@ pub trait RawConnection: Send + Sync + 'static {
             send.await
         })
     }
+    /// Several [`RawConnection::write_then_send`]s as one unit: every
+    /// WRITE, then every message, in order. Each message still arrives after
+    /// its own WRITE's data is in place, and the messages keep their order;
+    /// a message may arrive after the WRITEs of later pairs too (what lets
+    /// a transport send the WRITEs together and the messages together: on
+    /// RDMA, one run of WRITE packets and one bundled SEND). The default
+    /// starts every pair at once, in order, and waits for all.
+    fn write_then_send_many(&self, pairs: Vec<WriteThenSend>) -> BoxFuture<'static, Result<()>> {
+        all_in_order(
+            pairs
+                .into_iter()
+                .map(|p| self.write_then_send(p.dst, p.data, p.msg))
+                .collect(),
+        )
+    }
     /// Run an atomic on the remote 8-byte word; returns the old value.
     fn atomic(&self, dst: RemoteRegion, op: AtomicOp) -> BoxFuture<'static, Result<u64>>;
     /// Close gracefully: the peer sees a clean disconnect.
@@ -191,6 +188,42 @@ pub trait RawConnection: Send + Sync + 'static {
     fn cork(&self) {}
     /// End one [`RawConnection::cork`]; the last one sends what was held.
     fn uncork(&self) {}
+}
+
+/// Operations started at once, in order (each polled, and so posted,
+/// before the next one is), finished when all are; the first error ends it.
+fn all_in_order(mut ops: Vec<BoxFuture<'static, Result<()>>>) -> BoxFuture<'static, Result<()>> {
+    let mut done = vec![false; ops.len()];
+    Box::pin(std::future::poll_fn(move |cx| {
+        let mut busy = false;
+        for (op, done) in ops.iter_mut().zip(done.iter_mut()) {
+            if *done {
+                continue;
+            }
+            match op.as_mut().poll(cx) {
+                std::task::Poll::Ready(Ok(())) => *done = true,
+                std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                std::task::Poll::Pending => busy = true,
+            }
+        }
+        if busy {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }))
+}
+
+/// One WRITE and the message that follows it
+/// ([`Connection::write_then_send_many`]).
+#[derive(Clone, Debug)]
+pub struct WriteThenSend {
+    /// Where the data goes (`data.len() == dst.len`).
+    pub dst: RemoteRegion,
+    /// The data to write.
+    pub data: Bytes,
+    /// The message the peer receives once the data is in place.
+    pub msg: Bytes,
 }
 
 /// A write must fill its remote range exactly.
@@ -591,6 +624,37 @@ impl Connection {
             bytes,
             self.raw.write_then_send(dst, data, msg),
         )
+    }
+
+    /// Several [`Connection::write_then_send`]s at once: every WRITE, then
+    /// every message (see [`RawConnection::write_then_send_many`] for the
+    /// order kept). What a server answering a burst of reads should use: on
+    /// RDMA the WRITEs leave as one run and the messages as one bundle.
+    /// Counts as `pairs.len()` operations; all or nothing for sizes.
+    pub fn write_then_send_many(&self, pairs: Vec<WriteThenSend>) -> Op<()> {
+        let n = pairs.len() as u64;
+        let limit = self.info.capabilities.max_message_size;
+        let mut bytes = 0;
+        for p in &pairs {
+            if let Err(e) = check_write_len(&p.data, &p.dst) {
+                return self.failed(OpKind::WriteThenSend, e);
+            }
+            if p.msg.len() as u64 > limit {
+                let e = Error::ResourceExhausted(format!(
+                    "message of {} bytes exceeds the peer's limit of {limit}",
+                    p.msg.len()
+                ));
+                return self.failed(OpKind::WriteThenSend, e);
+            }
+            bytes += p.dst.len + p.msg.len() as u64;
+        }
+        let mut op = self.op(
+            OpKind::WriteThenSend,
+            bytes,
+            self.raw.write_then_send_many(pairs),
+        );
+        op.count = n;
+        op
     }
 
     /// Compare-and-swap on the remote 8-byte word `dst`; returns the old value

@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use rdmx_core::stats::new_stats;
 use rdmx_core::{
     Access, AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error,
-    Incoming, RawConnection, RemoteRegion, Result, Stats, Support,
+    Incoming, RawConnection, RemoteRegion, Result, Stats, Support, WriteThenSend,
 };
 use rdmx_transport_tcp::handshake::{Agreed, Limits};
 use rustc_hash::FxHashMap;
@@ -855,13 +855,27 @@ impl Shared {
     /// Send `msgs` in order, small ones bundled several to a SEND where
     /// the peer takes bundles (bundle.rs); waits for every completion.
     async fn post_many(&self, msgs: Vec<Bytes>) -> Result<()> {
+        let order = self.send_order.lock().await;
+        let waits = self.post_bundled(msgs).await?;
+        drop(order);
+        for rx in waits {
+            wait(rx, self).await?;
+        }
+        Ok(())
+    }
+
+    /// Post `msgs` in order, bundled where the peer takes bundles; the
+    /// caller holds `send_order`. Returns the SENDs' completions.
+    async fn post_bundled(
+        &self,
+        msgs: Vec<Bytes>,
+    ) -> Result<Vec<oneshot::Receiver<Result<WorkCompletion>>>> {
         let posts = if self.peer_bundles {
             bundle::plan(msgs, self.peer_limits.max_message as usize)
         } else {
             msgs.into_iter().map(bundle::Post::Single).collect()
         };
         let mut waits = Vec::with_capacity(posts.len());
-        let order = self.send_order.lock().await;
         for post in posts {
             let (msg, imm) = match post {
                 bundle::Post::Single(m) => (m, None),
@@ -874,11 +888,7 @@ impl Shared {
             self.post_in_order(msg, imm, Some(tx)).await?;
             waits.push(rx);
         }
-        drop(order);
-        for rx in waits {
-            wait(rx, self).await?;
-        }
-        Ok(())
+        Ok(waits)
     }
 
     /// Post `op` with `reply` for its completion (`None`: detached, see
@@ -1560,6 +1570,39 @@ impl RawConnection for RdmaConnection {
             let (w, s) = tokio::join!(wait(wrote, &sh), wait(sent, &sh));
             w?;
             s.map(|_| ())
+        })
+    }
+
+    fn write_then_send_many(&self, pairs: Vec<WriteThenSend>) -> BoxFuture<'static, Result<()>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            for p in &pairs {
+                check_rdma_size("write", p.dst.len)?;
+                sh.check_message(p.msg.len() as u64)?;
+            }
+            // Every WRITE, then the messages (bundled where the peer takes
+            // bundles) on the one send queue: each message follows its WRITE
+            // (IBTA 9.5, RC ordering), and the WRITEs, one size, leave as one
+            // run of datagrams.
+            let mut msgs = Vec::with_capacity(pairs.len());
+            let mut waits = Vec::with_capacity(pairs.len() + 1);
+            let order = sh.send_order.lock().await;
+            for p in pairs {
+                let permit = sh.permit().await?;
+                let op = SendOp::Write {
+                    sg: vec![p.data],
+                    dst: p.dst,
+                    imm: None,
+                };
+                waits.push(sh.submit(op, permit)?);
+                msgs.push(p.msg);
+            }
+            waits.extend(sh.post_bundled(msgs).await?);
+            drop(order);
+            for rx in waits {
+                wait(rx, &sh).await?;
+            }
+            Ok(())
         })
     }
 

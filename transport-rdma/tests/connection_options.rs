@@ -4,7 +4,8 @@
 //! (several small messages in one SEND, src/bundle.rs) under a small
 //! receive window (`Options::recv_window`) arrive whole and in order and
 //! return every credit they take (a leak would stall a transfer many times
-//! the window), with fewer SENDs than messages.
+//! the window), with fewer SENDs than messages, also behind the WRITEs of
+//! `write_then_send_many`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rdmx_conformance::{pattern, Suite};
-use rdmx_core::{Access, Options};
+use rdmx_core::{Access, Options, WriteThenSend};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 
 /// A soft RoCE device of its own (a free port).
@@ -153,4 +154,44 @@ async fn batches_bundle_small_messages_and_return_every_credit() {
     // The connection is still whole: a plain send after all that.
     p.client.send(&b"after"[..]).await.unwrap();
     assert_eq!(&p.server.recv_message().await.unwrap()[..], b"after");
+}
+
+/// `write_then_send_many`: the WRITEs go first and the responses that follow
+/// them share one SEND (a bundle), as a block target answers a burst of
+/// reads; every response arrives, in order, after its data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_send_many_bundles_the_messages() {
+    let suite = soft_suite();
+    let p = suite.pair().await;
+    let mr = p
+        .server_opts
+        .domain
+        .register(16 << 12, Access::REMOTE_WRITE);
+    let pairs = (0..16u64)
+        .map(|i| WriteThenSend {
+            dst: mr.remote().slice(i << 12, 4096).unwrap(),
+            data: Bytes::from(pattern(500 + i, 4096)),
+            msg: Bytes::from(i.to_le_bytes().to_vec()),
+        })
+        .collect();
+    let before = p.client.stats();
+    p.client.write_then_send_many(pairs).await.unwrap();
+    for i in 0..16u64 {
+        let m = p.server.recv_message().await.unwrap();
+        assert_eq!(m, Bytes::from(i.to_le_bytes().to_vec()), "response {i}");
+        let at = (i as usize) << 12;
+        assert_eq!(
+            mr.read()[at..at + 4096],
+            pattern(500 + i, 4096)[..],
+            "data {i}"
+        );
+    }
+    let after = p.client.stats();
+    assert_eq!(after.writes - before.writes, 16);
+    assert_eq!(after.sends - before.sends, 16);
+    assert_eq!(
+        after.bundles_sent - before.bundles_sent,
+        1,
+        "one SEND for 16 responses"
+    );
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
-use rdmx_core::{Connection, Cork, Error, Listener, RemoteRegion};
+use rdmx_core::{Connection, Cork, Error, Listener, RemoteRegion, WriteThenSend};
 
 use crate::nvme::command::{fabrics, sgl, Completion, Direction, Sqe, SQE_LEN};
 use crate::nvme::identify::{MAX_IN_CAPSULE, MAX_TRANSFER};
@@ -49,27 +49,55 @@ pub async fn serve(mut listener: Listener, target: Arc<Target>) {
 /// Capsules that arrive together are answered together: while further
 /// capsules are already received, the connection stays corked, and the
 /// answers of the whole burst leave in one `writev` (on TCP) before the task
-/// waits again.
+/// waits again. Commands that finish together are answered as one unit:
+/// their read data WRITEs, then their responses
+/// ([`Connection::write_then_send_many`]; on RDMA, one run of WRITE
+/// packets and one bundled SEND).
 pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     let conn = Arc::new(conn);
     let mut q = Queue::new(None);
     let mut queue: Option<Arc<Queue>> = None;
     let mut inflight = FuturesUnordered::new();
+    // Batches of answers being sent (they end when the host acknowledges).
+    let mut answering = FuturesUnordered::new();
+    let mut finished: Vec<Answer> = Vec::new();
     let sqhd = Arc::new(AtomicU32::new(0));
     let mut cork: Option<Cork<'_>> = None;
     let result = loop {
-        // Let every command that can go on post its answer.
-        while let Some(Some(())) = inflight.next().now_or_never() {}
+        // Let every command that can go on run (a write's READ of the host's
+        // data gets posted); those that finish are answered at the lull.
+        while let Some(Some(a)) = inflight.next().now_or_never() {
+            finished.push(a);
+        }
         // recv_message is cancel-safe: a message is taken whole or not at all.
-        let msg = match conn.recv_message().into_future().now_or_never() {
+        let ready = if finished.len() < ANSWER_BATCH {
+            conn.recv_message().into_future().now_or_never()
+        } else {
+            None
+        };
+        let msg = match ready {
             Some(m) => m,
             None => {
-                // Nothing more has come: the burst's answers leave now.
+                // Nothing more has come (or a batch is full): the burst's
+                // answers leave now, together.
+                let batch = (!finished.is_empty()).then(|| conn.cork());
+                if batch.is_some() {
+                    let answers = std::mem::take(&mut finished);
+                    answering.push(answer(conn.clone(), target.clone(), answers));
+                }
+                // Posts a new batch (it then waits for its
+                // acknowledgements); on TCP its frames leave with the cork.
+                while let Some(Some(())) = answering.next().now_or_never() {}
+                drop(batch);
                 cork = None;
                 let gone = Queue::controller_gone(queue.as_deref());
                 tokio::select! {
                     biased;
-                    Some(()) = inflight.next(), if !inflight.is_empty() => continue,
+                    Some(a) = inflight.next(), if !inflight.is_empty() => {
+                        finished.push(a);
+                        continue;
+                    }
+                    Some(()) = answering.next(), if !answering.is_empty() => continue,
                     m = conn.recv_message() => m,
                     _ = gone => break Ok(()),
                 }
@@ -126,26 +154,17 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
             drop(busy);
             let entries = u32::from(qa.sqsize) + 1;
             let cqe = response(&h, entries, qa.qid, sqe.cid, &done);
-            let Some((data, dst)) = push else {
-                if let Err(e) = c.send(cqe).await {
-                    tracing::debug!(error = %e, "response not sent");
-                }
-                return;
-            };
-            // The read data by one-sided WRITE, the response right behind it
-            // on the same connection: the host receives the response only
-            // after the data is in its memory (NVMe RDMA binding; RC order).
-            match c.write_then_send(data, dst, cqe).await {
-                Ok(()) => {}
-                Err(e @ Error::RemoteAccess(_)) => {
-                    // The host named memory it does not lend us. The response
-                    // may have gone out behind the refused WRITE, so end the
-                    // queue, as an RDMA queue pair in error would.
-                    t.stats.protocol_errors.fetch_add(1, Relaxed);
-                    tracing::info!(error = %e, cid = sqe.cid, "WRITE of read data refused; closing the queue");
-                    let _ = c.close().await;
-                }
-                Err(e) => tracing::debug!(error = %e, "read data or response not sent"),
+            match push {
+                None => Answer::Response(cqe),
+                // The read data by one-sided WRITE, the response behind it on
+                // the same connection: the host receives the response only
+                // after the data is in its memory (NVMe RDMA binding; RC
+                // order).
+                Some((data, dst)) => Answer::Push(WriteThenSend {
+                    dst,
+                    data,
+                    msg: cqe,
+                }),
             }
         });
     };
@@ -153,11 +172,63 @@ pub async fn queue(conn: Connection, target: Arc<Target>) -> Result<(), Error> {
     // connection is gone or broke the protocol).
     drop(cork);
     drop(inflight);
+    drop(answering);
     match &queue {
         Some(qa) => target.queue_closed(qa),
         None => target.queue_closed(&q),
     }
     result
+}
+
+/// Answers a queue sends as one unit at most (then it takes further
+/// capsules).
+const ANSWER_BATCH: usize = 64;
+
+/// How a finished command is answered.
+enum Answer {
+    /// The response capsule alone.
+    Response(Bytes),
+    /// Read data to WRITE into the host's memory, then the response.
+    Push(WriteThenSend),
+}
+
+/// Send one batch of answers: the responses in one `send_many`, the pushes
+/// in one `write_then_send_many`, both posted at once.
+async fn answer(conn: Arc<Connection>, t: Arc<Target>, batch: Vec<Answer>) {
+    let mut responses = Vec::new();
+    let mut pushes = Vec::new();
+    for a in batch {
+        match a {
+            Answer::Response(cqe) => responses.push(cqe),
+            Answer::Push(p) => pushes.push(p),
+        }
+    }
+    let sends = async {
+        if responses.is_empty() {
+            return;
+        }
+        if let Err(e) = conn.send_many(responses).await {
+            tracing::debug!(error = %e, "response not sent");
+        }
+    };
+    let writes = async {
+        if pushes.is_empty() {
+            return;
+        }
+        match conn.write_then_send_many(pushes).await {
+            Ok(()) => {}
+            Err(e @ Error::RemoteAccess(_)) => {
+                // The host named memory it does not lend us. A response may
+                // have gone out behind the refused WRITE, so end the queue,
+                // as an RDMA queue pair in error would.
+                t.stats.protocol_errors.fetch_add(1, Relaxed);
+                tracing::info!(error = %e, "WRITE of read data refused; closing the queue");
+                let _ = conn.close().await;
+            }
+            Err(e) => tracing::debug!(error = %e, "read data or response not sent"),
+        }
+    };
+    tokio::join!(sends, writes);
 }
 
 /// Counts a command as in flight while it lives (dropped commands too).

@@ -1,10 +1,12 @@
 //! One-sided remote memory access: the server registers a region and tells the
 //! client its descriptor; the client then writes, reads and runs atomics on it
-//! with no server code involved.
+//! with no server code involved, and sends a burst of writes each followed by
+//! a message announcing it (`write_then_send_many`).
 //!
 //! `cargo run -p rdmx-transport-tcp --example one_sided`
 
-use rdmx_core::{Access, Incoming, Options, RemoteRegion, Transport};
+use bytes::Bytes;
+use rdmx_core::{Access, Incoming, Options, RemoteRegion, Transport, WriteThenSend};
 
 // Keep `region` alive for as long as the client uses its key: dropping the
 // MemoryRegion deregisters it (see the end of this example).
@@ -44,6 +46,28 @@ async fn main() -> rdmx_core::Result<()> {
     if let Incoming::WriteImm { imm, len } = server.recv().await? {
         println!("server notified: imm {imm}, {len} bytes at offset 128");
     }
+
+    // Data, then the message that announces it, for a burst at once (a
+    // storage target answering reads): every WRITE goes first, and each
+    // message arrives only after its data is in place.
+    let burst = (0..4u64)
+        .map(|i| -> rdmx_core::Result<WriteThenSend> {
+            Ok(WriteThenSend {
+                dst: remote.slice(256 + i * 16, 16)?,
+                data: Bytes::from(format!("block {i}, payload")),
+                msg: Bytes::from(format!("block {i} ready")),
+            })
+        })
+        .collect::<rdmx_core::Result<Vec<_>>>()?;
+    client.write_then_send_many(burst).await?;
+    for _ in 0..4 {
+        let note = server.recv_message().await?;
+        println!("server: {}", String::from_utf8_lossy(&note));
+    }
+    println!(
+        "the blocks, in place: {:?}",
+        String::from_utf8_lossy(&region.read()[256..320])
+    );
 
     // Wrong key, out of bounds, or deregistered: a clear error, memory untouched.
     let tail = client.read(remote.slice(4090, 6)?).await?;

@@ -393,40 +393,37 @@ async fn dropped_reads_leave_the_queue_whole_over_soft_roce() {
     dropped_reads_leave_the_queue_whole("rdma").await;
 }
 
-/// The socket writes the target made on the connection from `host` (its
+/// A counter of the target's side of the connection from `host` (its
 /// per-connection counter, from the process's metrics text).
-fn target_socket_writes(host: &rdmx_core::Connection) -> u64 {
+fn target_counter(host: &rdmx_core::Connection, name: &str) -> u64 {
     let peer = host.info().local_addr.expect("local address").to_string();
     let text = rdmx_core::metrics::text(None);
+    let prefix = format!("rdmx_connection_{name}_total{{");
     let line = text
         .lines()
-        .find(|l| {
-            l.starts_with("rdmx_connection_socket_writes_total{")
-                && l.contains(&format!("peer=\"{peer}\""))
-        })
+        .find(|l| l.starts_with(&prefix) && l.contains(&format!("peer=\"{peer}\"")))
         .expect("the target's side of the connection");
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
-/// Capsules that arrive together are answered together: 16 Identify
-/// commands in one burst get their 16 data WRITEs and 16 responses in one
-/// `writev` (the queue corks while further capsules are already received),
-/// where it took one per command. Every answer is checked.
-#[tokio::test(flavor = "current_thread")]
-async fn a_burst_of_commands_is_answered_in_one_write() {
+/// The socket writes the target made on the connection from `host`.
+fn target_socket_writes(host: &rdmx_core::Connection) -> u64 {
+    target_counter(host, "socket_writes")
+}
+
+/// Post `n` Identify Controller commands on an admin queue at once, each
+/// naming its own 4 KiB of `r` for the data; then check every answer and
+/// every slot's data (the subsystem NQN at bytes 768..1024).
+async fn identify_burst(conn: &rdmx_core::Connection, n: u16) {
     use futures_util::FutureExt;
     use std::future::IntoFuture;
-    let (url, _t) = start("tcp").await;
-    let conn = raw_admin_queue(&url, b"nqn.2014-08.org.nvmexpress:uuid:burst-host").await;
-    const N: u16 = 16;
     let mr = Options::default()
         .domain
-        .register(usize::from(N) * 4096, rdmx_core::Access::REMOTE_WRITE);
+        .register(usize::from(n) * 4096, rdmx_core::Access::REMOTE_WRITE);
     let r = mr.remote();
-    let w0 = target_socket_writes(&conn);
     {
         let _cork = conn.cork();
-        for cid in 0..N {
+        for cid in 0..n {
             let identify = Sqe {
                 opcode: admin::IDENTIFY,
                 cid,
@@ -440,29 +437,56 @@ async fn a_burst_of_commands_is_answered_in_one_write() {
                 cdw: [1, 0, 0, 0, 0, 0],
                 ..Sqe::default()
             };
-            let send = conn.send(identify.encode().to_vec()).into_future();
-            send.now_or_never()
+            let post = conn.post_send(identify.encode().to_vec()).into_future();
+            post.now_or_never()
                 .expect("a send with credits posts at once")
                 .unwrap();
         }
     }
-    let mut seen = vec![false; usize::from(N)];
-    for _ in 0..N {
+    let mut seen = vec![false; usize::from(n)];
+    for _ in 0..n {
         let cqe = conn.recv_message().await.unwrap();
         let cid = u16::from_le_bytes([cqe[12], cqe[13]]);
         assert_eq!(u16::from_le_bytes([cqe[14], cqe[15]]) >> 1, 0, "cid {cid}");
         seen[usize::from(cid)] = true;
     }
     assert!(seen.iter().all(|&s| s));
-    let writes = target_socket_writes(&conn) - w0;
-    // Identify Controller: the subsystem NQN at bytes 768..1024, in every slot.
     let mem = mr.read();
-    for cid in 0..usize::from(N) {
+    for cid in 0..usize::from(n) {
         let nqn = &mem[cid * 4096 + 768..cid * 4096 + 768 + NQN.len()];
         assert_eq!(nqn, NQN.as_bytes(), "slot {cid}");
     }
+}
+
+/// Capsules that arrive together are answered together: 16 Identify
+/// commands in one burst get their 16 data WRITEs and 16 responses in one
+/// `writev` (the queue corks while further capsules are already received),
+/// where it took one per command. Every answer is checked.
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_of_commands_is_answered_in_one_write() {
+    let (url, _t) = start("tcp").await;
+    let conn = raw_admin_queue(&url, b"nqn.2014-08.org.nvmexpress:uuid:burst-host").await;
+    const N: u16 = 16;
+    let w0 = target_socket_writes(&conn);
+    identify_burst(&conn, N).await;
+    let writes = target_socket_writes(&conn) - w0;
     eprintln!("{N} commands in one burst: {writes} target writes");
     assert!(writes <= 2, "{N} commands took {writes} target writes");
+}
+
+/// The same over soft RoCE: the burst's data WRITEs go first and its
+/// responses share SENDs (`write_then_send_many`, bundles), where each
+/// response was a SEND of its own. Every answer is checked.
+#[tokio::test(flavor = "current_thread")]
+async fn a_burst_of_commands_is_answered_in_bundles_over_soft_roce() {
+    let (url, _t) = start("rdma").await;
+    let conn = raw_admin_queue(&url, b"nqn.2014-08.org.nvmexpress:uuid:burst-host-rdma").await;
+    const N: u16 = 16;
+    let b0 = target_counter(&conn, "bundles_sent");
+    identify_burst(&conn, N).await;
+    let bundles = target_counter(&conn, "bundles_sent") - b0;
+    eprintln!("{N} commands in one burst: {bundles} bundled SENDs from the target");
+    assert!(bundles >= 1, "{N} responses went as {N} SENDs");
 }
 
 /// An idle Initiator keeps its controller: Keep Alive every KATO/2 from the

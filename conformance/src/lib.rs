@@ -866,22 +866,16 @@ impl Suite {
         // write is caught, whatever the runtime's scheduling).
         let sizes = [0usize, 8, 5000, 64 << 10, 6 << 20];
         let server = p.server.clone();
-        let checker = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                let mut wrong = Vec::new();
-                for len in sizes {
-                    let msg = server.recv_message().await.unwrap();
-                    if msg[..] != sha(&mr.read()[..len])[..] {
-                        wrong.push(len);
-                    }
-                    server.send(&b"next"[..]).await.unwrap();
+        let checker = on_own_thread(move || async move {
+            let mut wrong = Vec::new();
+            for len in sizes {
+                let msg = server.recv_message().await.unwrap();
+                if msg[..] != sha(&mr.read()[..len])[..] {
+                    wrong.push(len);
                 }
-                (wrong, mr)
-            })
+                server.send(&b"next"[..]).await.unwrap();
+            }
+            (wrong, mr)
         });
         for (i, len) in sizes.into_iter().enumerate() {
             let data = pattern(i as u64 + 70, len);
@@ -946,28 +940,22 @@ impl Suite {
             })
             .collect();
         let server = p.server.clone();
-        let checker = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                let mut wrong = Vec::new();
-                for want in 0..64u64 {
-                    let m = server.recv_message().await.unwrap();
-                    let i = u64::from_le_bytes(m[..8].try_into().unwrap());
-                    let at = i as usize * slot;
-                    let expect_len = 40 + (i as usize % 5) * 9000;
-                    if i != want
-                        || m.len() != expect_len
-                        || m[8..40] != sha(&mr.read()[at..at + slot])[..]
-                        || m[40..].iter().any(|&b| b != i as u8)
-                    {
-                        wrong.push(want);
-                    }
+        let checker = on_own_thread(move || async move {
+            let mut wrong = Vec::new();
+            for want in 0..64u64 {
+                let m = server.recv_message().await.unwrap();
+                let i = u64::from_le_bytes(m[..8].try_into().unwrap());
+                let at = i as usize * slot;
+                let expect_len = 40 + (i as usize % 5) * 9000;
+                if i != want
+                    || m.len() != expect_len
+                    || m[8..40] != sha(&mr.read()[at..at + slot])[..]
+                    || m[40..].iter().any(|&b| b != i as u8)
+                {
+                    wrong.push(want);
                 }
-                (wrong, mr)
-            })
+            }
+            (wrong, mr)
         });
         let before = p.client.stats();
         p.client.write_then_send_many(pairs).await.unwrap();
@@ -1269,6 +1257,23 @@ impl Suite {
         assert_eq!(&accepted.recv_message().await.unwrap()[..], b"after");
         drop(lone);
     }
+}
+
+/// Run `make`'s future on a thread of its own, with a runtime of its own:
+/// a check that runs while the transport is still taking data in, whatever
+/// the test runtime's scheduling.
+fn on_own_thread<F>(make: impl FnOnce() -> F + Send + 'static) -> std::thread::JoinHandle<F::Output>
+where
+    F: std::future::Future,
+    F::Output: Send + 'static,
+{
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(make())
+    })
 }
 
 /// Expand to one `#[tokio::test]` per conformance case for the suite built by `$make`.

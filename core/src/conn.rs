@@ -473,6 +473,19 @@ impl Connection {
         self.op(OpKind::Send, len, self.raw.post_send(msg))
     }
 
+    /// A message must fit the peer's limit (checked before anything of a
+    /// batch leaves).
+    fn check_message_len(&self, msg: &Bytes) -> Result<()> {
+        let limit = self.info.capabilities.max_message_size;
+        if msg.len() as u64 > limit {
+            return Err(Error::ResourceExhausted(format!(
+                "message of {} bytes exceeds the peer's limit of {limit}",
+                msg.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Send several messages in order, as one unit where the transport can
     /// (TCP: one `writev`): what a caller holding many small messages at once
     /// (an RPC server's answers to one burst of requests) should use. Counts as
@@ -481,16 +494,9 @@ impl Connection {
         let len = msgs.iter().map(|m| m.len() as u64).sum();
         let n = msgs.len() as u64;
         // All or nothing for sizes: no message of a batch leaves if one is too big.
-        let limit = self.info.capabilities.max_message_size;
-        let fut = match msgs.iter().find(|m| m.len() as u64 > limit) {
-            Some(m) => {
-                let e = Error::ResourceExhausted(format!(
-                    "message of {} bytes exceeds the peer's limit of {limit}",
-                    m.len()
-                ));
-                Box::pin(std::future::ready(Err(e))) as BoxFuture<'static, Result<()>>
-            }
-            None => self.raw.send_many(msgs),
+        let fut = match msgs.iter().try_for_each(|m| self.check_message_len(m)) {
+            Err(e) => Box::pin(std::future::ready(Err(e))) as BoxFuture<'static, Result<()>>,
+            Ok(()) => self.raw.send_many(msgs),
         };
         let mut op = self.op(OpKind::Send, len, fut);
         op.count = n;
@@ -633,17 +639,11 @@ impl Connection {
     /// Counts as `pairs.len()` operations; all or nothing for sizes.
     pub fn write_then_send_many(&self, pairs: Vec<WriteThenSend>) -> Op<()> {
         let n = pairs.len() as u64;
-        let limit = self.info.capabilities.max_message_size;
         let mut bytes = 0;
         for p in &pairs {
-            if let Err(e) = check_write_len(&p.data, &p.dst) {
-                return self.failed(OpKind::WriteThenSend, e);
-            }
-            if p.msg.len() as u64 > limit {
-                let e = Error::ResourceExhausted(format!(
-                    "message of {} bytes exceeds the peer's limit of {limit}",
-                    p.msg.len()
-                ));
+            let checked =
+                check_write_len(&p.data, &p.dst).and_then(|()| self.check_message_len(&p.msg));
+            if let Err(e) = checked {
                 return self.failed(OpKind::WriteThenSend, e);
             }
             bytes += p.dst.len + p.msg.len() as u64;

@@ -101,9 +101,8 @@ pub(crate) fn send(
     let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
     push_pieces(&mut iov, scratch, datagrams);
     let segment = segment_u16(segment)?;
-    let dst = family_of(local, dst);
-    let ctl = control(dst.is_ipv6() && !is_v4_mapped(&dst), ecn, segment);
-    let addr = socket2::SockAddr::from(dst);
+    let (addr, ipv6) = destination(local, dst);
+    let ctl = control(ipv6, ecn, segment);
     let mut msg = socket2::MsgHdr::new().with_addr(&addr).with_buffers(&iov);
     if !ctl.is_empty() {
         msg = msg.with_control(&ctl);
@@ -124,9 +123,7 @@ pub(crate) fn send_runs(
     datagrams: &[Gathered],
     runs: &[(std::ops::Range<usize>, Option<usize>)],
 ) -> io::Result<usize> {
-    let dst = family_of(local, dst);
-    let ipv6 = dst.is_ipv6() && !is_v4_mapped(&dst);
-    let addr = socket2::SockAddr::from(dst);
+    let (addr, ipv6) = destination(local, dst);
     let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
     let mut bounds = Vec::with_capacity(runs.len());
     let mut controls = Vec::with_capacity(runs.len());
@@ -178,6 +175,15 @@ fn family_of(local: SocketAddr, dst: SocketAddr) -> SocketAddr {
         }
         _ => dst,
     }
+}
+
+/// `dst` as a socket bound to `local` addresses it ([`family_of`]), and
+/// whether the datagrams travel as IPv6 (a v4-mapped peer is IPv4 on the
+/// wire, with IPv4's control messages).
+fn destination(local: SocketAddr, dst: SocketAddr) -> (socket2::SockAddr, bool) {
+    let dst = family_of(local, dst);
+    let ipv6 = dst.is_ipv6() && !is_v4_mapped(&dst);
+    (socket2::SockAddr::from(dst), ipv6)
 }
 
 fn is_v4_mapped(a: &SocketAddr) -> bool {

@@ -325,6 +325,81 @@ impl Suite {
         ));
     }
 
+    /// `read_many`: every range's bytes in the order asked (small, empty,
+    /// unaligned, the region's last byte, and a batch beyond what the
+    /// connection keeps in flight and of reads larger than one piece); one
+    /// bad range fails the batch and leaves the connection usable; a
+    /// dropped batch leaves it usable too; each read counts once.
+    pub async fn read_many(&self) {
+        let p = self.pair().await;
+        let size = 3 << 20;
+        let mr = p
+            .server_opts
+            .domain
+            .register_from(&pattern(41, size), Access::REMOTE_READ);
+        let r = mr.remote();
+        let want = pattern(41, size);
+        let check = |ranges: &[(u64, u64)], got: Vec<Bytes>| {
+            assert_eq!(got.len(), ranges.len(), "one answer per range");
+            for (i, (&(off, len), g)) in ranges.iter().zip(&got).enumerate() {
+                let w = &want[off as usize..(off + len) as usize];
+                assert_eq!(sha(g), sha(w), "range {i} ({off}+{len})");
+            }
+        };
+        let slices = |ranges: &[(u64, u64)]| -> Vec<RemoteRegion> {
+            ranges
+                .iter()
+                .map(|&(o, l)| r.slice(o, l).unwrap())
+                .collect()
+        };
+        // Small reads, the shape of a multi-key GET.
+        let small: Vec<(u64, u64)> = (0..100u64)
+            .map(|i| ((i * 7919) % (size as u64 - 300), 1 + (i * 37) % 300))
+            .chain([(0, 0), (size as u64 - 1, 1), (13, 4096)])
+            .collect();
+        let reads_before = p.client.stats().reads;
+        check(&small, p.client.read_many(slices(&small)).await.unwrap());
+        assert_eq!(p.client.stats().reads - reads_before, small.len() as u64);
+        // More reads than the connection keeps in flight.
+        let cap = p.client.info().capabilities.max_inflight as u64;
+        let many: Vec<(u64, u64)> = (0..cap + 9)
+            .map(|i| ((i * 4099) % (size as u64 - 64), 64))
+            .collect();
+        check(&many, p.client.read_many(slices(&many)).await.unwrap());
+        // Large reads (several pieces, several packets) among small ones.
+        let large = [(5, 1 << 20), (1, 1), ((1 << 20) + 3, (2 << 20) - 9), (0, 8)];
+        check(&large, p.client.read_many(slices(&large)).await.unwrap());
+        assert!(p.client.read_many(Vec::new()).await.unwrap().is_empty());
+        // A bad range in the middle fails the batch with its own error.
+        let mut bad = slices(&small[..5]);
+        bad.insert(
+            2,
+            RemoteRegion {
+                rkey: r.rkey ^ 0x5a5a_5a5a,
+                ..r.slice(0, 8).unwrap()
+            },
+        );
+        assert_eq!(
+            denied(p.client.read_many(bad).await),
+            AccessError::UnknownKey
+        );
+        let past = vec![
+            r.slice(0, 8).unwrap(),
+            RemoteRegion {
+                len: size as u64 + 1,
+                ..r
+            },
+        ];
+        assert_eq!(
+            denied(p.client.read_many(past).await),
+            AccessError::OutOfBounds
+        );
+        // A batch dropped while in flight: the connection carries on.
+        let dropped = p.client.read_many(slices(&many));
+        let _ = tokio::time::timeout(Duration::from_micros(1), dropped.into_future()).await;
+        check(&small, p.client.read_many(slices(&small)).await.unwrap());
+    }
+
     /// Every access violation kind is reported as such, stores nothing, and
     /// leaves the connection usable.
     pub async fn access_violations(&self) {
@@ -1288,7 +1363,7 @@ macro_rules! conformance_tests {
     };
     (@all $make:expr; $attrs:tt) => {
         $crate::conformance_tests!(@cases $make; $attrs;
-            message_order_and_boundaries, read_write_edges, access_violations,
+            message_order_and_boundaries, read_write_edges, read_many, access_violations,
             atomics_under_contention, large_transfer, many_in_flight,
             peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
             write_with_immediate, write_then_send, cork_holds_a_burst, graceful_close,

@@ -118,6 +118,13 @@ pub trait RawConnection: Send + Sync + 'static {
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>>;
     /// Read the remote range; the returned bytes are owned by the caller.
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>>;
+    /// Several reads posted as one unit (RDMA's chained work requests behind
+    /// one doorbell; one `writev` of requests for TCP), their data returned
+    /// in the order asked; the first error ends the batch. The default
+    /// starts every read at once, in order, and waits for all.
+    fn read_many(&self, srcs: Vec<RemoteRegion>) -> BoxFuture<'static, Result<Vec<Bytes>>> {
+        collect_in_order(srcs.into_iter().map(|s| self.read(s)).collect())
+    }
     /// Read the remote range into `sink` at `offset`: one part of a larger
     /// read assembled in place (a read split over lanes). The default reads,
     /// then copies; a transport that can receive into the sink directly
@@ -192,25 +199,36 @@ pub trait RawConnection: Send + Sync + 'static {
 
 /// Operations started at once, in order (each polled, and so posted,
 /// before the next one is), finished when all are; the first error ends it.
-fn all_in_order(mut ops: Vec<BoxFuture<'static, Result<()>>>) -> BoxFuture<'static, Result<()>> {
-    let mut done = vec![false; ops.len()];
+fn all_in_order(ops: Vec<BoxFuture<'static, Result<()>>>) -> BoxFuture<'static, Result<()>> {
+    let all = collect_in_order(ops);
+    Box::pin(async move { all.await.map(|_| ()) })
+}
+
+/// [`all_in_order`] keeping each operation's value, in the operations' order.
+fn collect_in_order<T: Send + 'static>(
+    mut ops: Vec<BoxFuture<'static, Result<T>>>,
+) -> BoxFuture<'static, Result<Vec<T>>> {
+    let mut done: Vec<Option<T>> = ops.iter().map(|_| None).collect();
     Box::pin(std::future::poll_fn(move |cx| {
         let mut busy = false;
         for (op, done) in ops.iter_mut().zip(done.iter_mut()) {
-            if *done {
+            if done.is_some() {
                 continue;
             }
             match op.as_mut().poll(cx) {
-                std::task::Poll::Ready(Ok(())) => *done = true,
+                std::task::Poll::Ready(Ok(v)) => *done = Some(v),
                 std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
                 std::task::Poll::Pending => busy = true,
             }
         }
         if busy {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(Ok(()))
+            return std::task::Poll::Pending;
         }
+        let values = done
+            .iter_mut()
+            .map(|v| v.take().expect("finished"))
+            .collect();
+        std::task::Poll::Ready(Ok(values))
     }))
 }
 
@@ -550,6 +568,19 @@ impl Connection {
     /// One-sided read of the remote range into new owned bytes.
     pub fn read(&self, src: RemoteRegion) -> Op<Bytes> {
         self.op(OpKind::Read, src.len, self.raw.read(src))
+    }
+
+    /// Several one-sided reads posted as one unit (one doorbell for a chain
+    /// of RDMA READs, one `writev` of requests for TCP): what a caller that
+    /// holds many reads at once (a multi-key GET) should use. Returns each
+    /// range's bytes in the order asked; one failed read fails the batch.
+    /// Counts as `srcs.len()` reads, under one deadline.
+    pub fn read_many(&self, srcs: Vec<RemoteRegion>) -> Op<Vec<Bytes>> {
+        let n = srcs.len() as u64;
+        let bytes = srcs.iter().map(|s| s.len).sum();
+        let mut op = self.op(OpKind::Read, bytes, self.raw.read_many(srcs));
+        op.count = n;
+        op
     }
 
     /// One-sided read of the remote range into a local registered slice of the

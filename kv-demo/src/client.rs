@@ -4,6 +4,7 @@
 //! out is marked down, its keys go to the next node by the hash, and it is
 //! probed with backoff until it answers again (with fresh region keys).
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::future::join_all;
 use parking_lot::RwLock;
-use rdmx_core::{Connection, Options, Transports};
+use rdmx_core::{Connection, Options, RemoteRegion, Transports};
 use rdmx_rpc::{CallOptions, RpcError};
 use serde_bytes::ByteBuf;
 use xxhash_rust::xxh3::xxh3_64;
@@ -127,6 +128,19 @@ struct Link {
     /// item holds its key. Keyed by hash, a lookup touches no key bytes, and
     /// one cache line of the table.
     pointers: parking_lot::Mutex<PointerCache>,
+}
+
+/// A key's owner in a multi-key operation: the node's index, its link, and
+/// the key's hash under that node's seed.
+type Owner = Result<(usize, Arc<Link>, u64), KvError>;
+
+/// One node's share of a one-sided MGET's first batch.
+struct Remembered {
+    link: Arc<Link>,
+    /// (key index, the remembered entry) for each item read.
+    picked: Vec<(usize, Entry)>,
+    /// Where each item is, in the same order (taken when the batch is posted).
+    at: Vec<RemoteRegion>,
 }
 
 impl Link {
@@ -430,10 +444,14 @@ impl Client {
         Ok(None)
     }
 
-    /// MGET: every key's GET at once, across nodes.
+    /// MGET: every key's GET at once, across nodes. One-sided, the items
+    /// whose place the client remembers are read first, one
+    /// [`Connection::read_many`] per node (a chain of READs posted as one
+    /// unit); every other key, and every item that did not verify, then
+    /// takes the single-key path.
     pub async fn mget(&self, keys: &[&[u8]], path: GetPath) -> Vec<Result<Option<Bytes>, KvError>> {
         // Each key's owner and its hash under that node's seed, once.
-        let owners: Vec<_> = keys
+        let owners: Vec<Owner> = keys
             .iter()
             .map(|k| {
                 self.owner(k).map(|(i, link)| {
@@ -442,27 +460,107 @@ impl Client {
                 })
             })
             .collect();
+        let mut found: Vec<Option<Option<Bytes>>> = vec![None; keys.len()];
         if path == GetPath::OneSided {
-            // Every key's pointer-cache line at once (see PointerCache::touch),
-            // under one lock per node: taking a lock waits for the loads
-            // before it.
-            for n in 0..self.inner.slots.len() {
-                let mut mine = owners.iter().flatten().filter(|(i, _, _)| *i == n);
-                let Some((_, link, first)) = mine.next() else {
-                    continue;
-                };
-                let p = link.pointers.lock();
-                p.touch(*first);
-                for (_, _, h) in mine {
-                    p.touch(*h);
+            self.read_remembered(keys, &owners, &mut found).await;
+        }
+        let rest = keys
+            .iter()
+            .zip(owners)
+            .zip(&found)
+            .filter(|(_, f)| f.is_none())
+            .map(|((k, o), _)| async move {
+                let (i, link, h) = o?;
+                self.get_on(i, link, k, h, path).await
+            });
+        let mut rest = join_all(rest).await.into_iter();
+        found
+            .into_iter()
+            .map(|f| match f {
+                Some(answer) => Ok(answer),
+                None => rest.next().expect("one answer per key left"),
+            })
+            .collect()
+    }
+
+    /// The first part of a one-sided MGET: per node, one batch of reads of
+    /// the items the pointer cache remembers (under one lock of it), each
+    /// verified as [`Client::read_one_sided`] does. Fills `found` for the
+    /// keys answered; a batch that fails leaves its keys to the single-key
+    /// path, which meets the failure and reports it.
+    async fn read_remembered(
+        &self,
+        keys: &[&[u8]],
+        owners: &[Owner],
+        found: &mut [Option<Option<Bytes>>],
+    ) {
+        let mut batches: Vec<Remembered> = Vec::new();
+        for n in 0..self.inner.slots.len() {
+            let mine: Vec<(usize, u64)> = owners
+                .iter()
+                .enumerate()
+                .filter_map(|(j, o)| match o {
+                    Ok((i, _, h)) if *i == n => Some((j, *h)),
+                    _ => None,
+                })
+                .collect();
+            let Some(&(first, _)) = mine.first() else {
+                continue;
+            };
+            let link = owners[first].as_ref().expect("owned").1.clone();
+            let arena = link.info.geometry.arena;
+            let (mut picked, mut at) = (Vec::new(), Vec::new());
+            {
+                let mut p = link.pointers.lock();
+                // Every line's load at once (see PointerCache::touch).
+                for &(_, h) in &mine {
+                    p.touch(h);
+                }
+                for &(j, h) in &mine {
+                    let Some(e) = p.get(h) else { continue };
+                    if let Ok(r) = arena.slice(e.offset, u64::from(e.len)) {
+                        picked.push((j, e));
+                        at.push(r);
+                    }
+                }
+            }
+            if !picked.is_empty() {
+                batches.push(Remembered { link, picked, at });
+            }
+        }
+        let c = &self.inner.counters;
+        let reads = join_all(batches.iter_mut().map(|b| {
+            b.link
+                .rpc
+                .connection()
+                .read_many(std::mem::take(&mut b.at))
+                .into_future()
+        }))
+        .await;
+        for (Remembered { link, picked, .. }, items) in batches.iter().zip(reads) {
+            let Ok(items) = items else { continue };
+            c.one_sided_reads
+                .fetch_add(picked.len() as u64, Ordering::Relaxed);
+            let seed = link.info.geometry.seed;
+            for ((j, e), item) in picked.iter().zip(items) {
+                match verify_item(&item, e, keys[*j], seed) {
+                    Ok((hd, vr)) => {
+                        let answer = if Self::expired(link, hd.expiry_ms) {
+                            c.one_sided_misses.fetch_add(1, Ordering::Relaxed);
+                            None
+                        } else {
+                            c.one_sided_hits.fetch_add(1, Ordering::Relaxed);
+                            Some(item.slice(vr))
+                        };
+                        found[*j] = Some(answer);
+                    }
+                    Err(_) => {
+                        let h = owners[*j].as_ref().expect("owned").2;
+                        link.pointers.lock().remove(h);
+                    }
                 }
             }
         }
-        join_all(keys.iter().zip(owners).map(|(k, o)| async move {
-            let (i, link, h) = o?;
-            self.get_on(i, link, k, h, path).await
-        }))
-        .await
     }
 
     /// SET with options; returns whether it was stored.

@@ -133,6 +133,23 @@ async fn basics(scheme: &str) {
     for (i, g) in got.into_iter().enumerate() {
         assert_eq!(check_self(&g.unwrap().unwrap()), i as u64);
     }
+    // Another client moves key:3 (a new item of another size): the place
+    // this client remembers fails verification in the MGET's batch, and the
+    // key takes the single-key path (its bucket, then the new item).
+    let other = client(&[&a.url, &b.url]).await;
+    assert!(other
+        .set(b"key:3", b"moved", Ttl::Never, Cond::Always)
+        .await
+        .unwrap());
+    let before = reads();
+    let got = c.mget(&[&b"key:3"[..], b"key:4"], GetPath::OneSided).await;
+    assert_eq!(&got[0].as_ref().unwrap().as_ref().unwrap()[..], b"moved");
+    assert_eq!(check_self(got[1].as_ref().unwrap().as_ref().unwrap()), 4);
+    assert_eq!(
+        reads() - before,
+        4,
+        "two in the batch, then bucket and item"
+    );
     assert_eq!(
         c.exists(&[&b"key:1"[..], b"key:1", b"nope"]).await.unwrap(),
         2

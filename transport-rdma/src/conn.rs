@@ -1501,6 +1501,30 @@ impl RawConnection for RdmaConnection {
         })
     }
 
+    fn read_many(&self, srcs: Vec<RemoteRegion>) -> BoxFuture<'static, Result<Vec<Bytes>>> {
+        let sh = self.sh.clone();
+        Box::pin(async move {
+            for src in &srcs {
+                check_rdma_size("read", src.len)?;
+            }
+            // Every READ posted before the first completion is awaited: one
+            // chain of work requests, which the engine sends as one run of
+            // request packets (a verbs provider: back-to-back posts before
+            // the CQ is polled). More reads than places in flight wait for
+            // the batch's own earlier ones, which complete without us.
+            let mut waits = Vec::with_capacity(srcs.len());
+            for src in srcs {
+                let permit = sh.permit().await?;
+                waits.push(sh.submit(SendOp::Read { src }, permit)?);
+            }
+            let mut out = Vec::with_capacity(waits.len());
+            for rx in waits {
+                out.push(wait(rx, &sh).await?.data);
+            }
+            Ok(out)
+        })
+    }
+
     fn write(
         &self,
         dst: RemoteRegion,

@@ -111,6 +111,49 @@ async fn requests_posted_together_share_send_calls() {
     assert!(calls <= N / 8, "{calls} send calls for {N} writes");
 }
 
+/// `read_many` posts its READs together: their request packets leave in
+/// a few GSO batches, and the responses (one per READ) likewise; every
+/// read's bytes come back in the order asked.
+#[tokio::test(flavor = "current_thread")]
+async fn read_many_posts_its_reads_together() {
+    const N: u64 = 64;
+    let (dev, p) = soft_pair().await;
+    let c = &p.client;
+    let mr = p.server_opts.domain.register(64 * N as usize, Access::ALL);
+    for i in 0..N {
+        mr.store_u64(64 * i as usize, 5000 + i);
+    }
+    let srcs = (0..N)
+        .map(|i| mr.remote().slice(64 * i, 64).unwrap())
+        .collect();
+    let before = dev.stats();
+    let got = c.read_many(srcs).await.unwrap();
+    let after = dev.stats();
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.len(), 64);
+        assert_eq!(
+            u64::from_le_bytes(g[..8].try_into().unwrap()),
+            5000 + i as u64,
+            "read {i}"
+        );
+    }
+    // Client and server share this device: requests and responses.
+    let calls = after.tx_calls - before.tx_calls;
+    let packets = after.tx_packets - before.tx_packets;
+    eprintln!("{N} reads: {packets} packets in {calls} send calls");
+    assert!(packets >= 2 * N, "{packets} packets for {N} reads");
+    assert!(calls <= N / 4, "{calls} send calls for {N} reads");
+    // Awaited one by one, each READ and each response takes a call.
+    let before = dev.stats();
+    for i in 0..N {
+        c.read(mr.remote().slice(64 * i, 64).unwrap())
+            .await
+            .unwrap();
+    }
+    let one_by_one = dev.stats().tx_calls - before.tx_calls;
+    assert!(one_by_one >= 2 * N, "{one_by_one} send calls, one by one");
+}
+
 /// A requester whose thread was held up (a long send burst, a busy
 /// application task) past its retransmission interval while the peer
 /// answered: when the thread runs again, the device takes the answer that

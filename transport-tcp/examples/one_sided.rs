@@ -1,7 +1,8 @@
 //! One-sided remote memory access: the server registers a region and tells the
 //! client its descriptor; the client then writes, reads and runs atomics on it
 //! with no server code involved, and sends a burst of writes each followed by
-//! a message announcing it (`write_then_send_many`).
+//! a message announcing it (`write_then_send_many`), and reads several
+//! places as one unit (`read_many`).
 //!
 //! `cargo run -p rdmx-transport-tcp --example one_sided`
 
@@ -63,6 +64,16 @@ async fn main() -> rdmx_core::Result<()> {
     for _ in 0..4 {
         let note = server.recv_message().await?;
         println!("server: {}", String::from_utf8_lossy(&note));
+    }
+
+    // Several reads as one unit (a multi-key lookup): their requests leave
+    // together, and the data comes back in the order asked.
+    let blocks = (0..4u64)
+        .rev()
+        .map(|i| remote.slice(256 + i * 16, 16))
+        .collect::<rdmx_core::Result<Vec<_>>>()?;
+    for data in client.read_many(blocks).await? {
+        println!("read_many: {}", String::from_utf8_lossy(&data));
     }
     println!(
         "the blocks, in place: {:?}",

@@ -419,12 +419,17 @@ impl Shared {
     /// it with every other request made in the same scheduler tick, in one
     /// `writev` (a lone request goes out at once, by [`Shared::enqueue`]).
     fn enqueue_deferred(&self, frame: OutFrame) -> Result<()> {
+        self.enqueue_deferred_many(std::iter::once(frame))
+    }
+
+    /// [`Shared::enqueue_deferred`] for several frames, kept together in order.
+    fn enqueue_deferred_many(&self, frames: impl IntoIterator<Item = OutFrame>) -> Result<()> {
         let mut q = self.wq.lock();
         if q.closed {
             drop(q);
             return Err(self.disconnected());
         }
-        q.frames.push_back(frame);
+        q.frames.extend(frames);
         if q.busy || q.corks > 0 {
             self.send_if_overfull(q);
             return Ok(());
@@ -1039,6 +1044,90 @@ impl Shared {
         sink.finish().ok_or_else(|| self.disconnected())
     }
 
+    /// Several reads as one unit: their requests registered under one lock
+    /// and queued together (one `writev`, or the tick's deferred one when
+    /// other requests are in flight), one slot of the in-flight and read
+    /// budgets each. A batch too large for that (a read of several pieces,
+    /// more reads than the connection keeps in flight, more bytes than the
+    /// read budget) goes read by read, all started at once.
+    async fn read_many(self: Arc<Self>, srcs: Vec<RemoteRegion>) -> Result<Vec<Bytes>> {
+        for s in &srcs {
+            check_rdma_len(s.len)?;
+        }
+        let total: u64 = srcs.iter().map(|s| s.len.max(1)).sum();
+        let max_inflight = self.info.capabilities.max_inflight as usize;
+        if srcs.iter().any(|s| s.len > MAX_PIECE)
+            || srcs.len() > max_inflight
+            || total > READ_OUTSTANDING as u64
+        {
+            let reads = srcs.into_iter().map(|s| self.clone().read(s)).collect();
+            return join_all(reads).await.into_iter().collect();
+        }
+        if srcs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _permits = self
+            .inflight
+            .acquire_many(srcs.len() as u32)
+            .await
+            .map_err(|_| self.disconnected())?;
+        let _budget = self
+            .read_budget
+            .acquire_many(total as u32)
+            .await
+            .map_err(|_| self.disconnected())?;
+        let mut frames = Vec::with_capacity(srcs.len());
+        let mut waits = Vec::with_capacity(srcs.len());
+        let mut guards = Vec::with_capacity(srcs.len());
+        let others_in_flight = {
+            let mut pending = self.pending.lock();
+            let before = pending.len();
+            for src in &srcs {
+                let mut h = Header::new(Kind::Read);
+                h.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                h.addr = src.addr;
+                h.rkey = src.rkey;
+                h.a = src.len;
+                h.imm = src.len as u32;
+                let (tx, rx) = oneshot::channel();
+                pending.insert(h.id, tx);
+                guards.push(PendingGuard {
+                    shared: &self,
+                    id: h.id,
+                    sink: false,
+                });
+                waits.push(rx);
+                frames.push(OutFrame::new(h, Bytes::new()));
+            }
+            before > 0
+        };
+        if let Some(e) = self.closed_error() {
+            return Err(e);
+        }
+        if others_in_flight {
+            self.enqueue_deferred_many(frames)?;
+        } else {
+            self.enqueue_many(frames)?;
+        }
+        let mut out = Vec::with_capacity(srcs.len());
+        for (rx, src) in waits.into_iter().zip(&srcs) {
+            let r = rx.await.map_err(|_| self.disconnected())?;
+            status(r.status)?;
+            if r.payload.len() as u64 != src.len {
+                let e = Error::Protocol(format!(
+                    "read response of {} bytes for a {}-byte read",
+                    r.payload.len(),
+                    src.len
+                ));
+                self.fail(e.clone());
+                return Err(e);
+            }
+            out.push(r.payload);
+        }
+        drop(guards);
+        Ok(out)
+    }
+
     /// Read `src` into `sink` at `offset`, each piece's response received
     /// straight into its place.
     async fn read_part(
@@ -1595,6 +1684,10 @@ impl RawConnection for TcpConnection {
 
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {
         Box::pin(self.shared.clone().read(src))
+    }
+
+    fn read_many(&self, srcs: Vec<RemoteRegion>) -> BoxFuture<'static, Result<Vec<Bytes>>> {
+        Box::pin(self.shared.clone().read_many(srcs))
     }
 
     fn read_part(

@@ -541,6 +541,44 @@ async fn concurrent_operations_share_system_calls() {
     );
 }
 
+/// `read_many` sends its requests in one `writev` (64 reads: one system
+/// call, where the same reads awaited one by one take one each), and every
+/// read's bytes come back in the order asked.
+#[tokio::test(flavor = "current_thread")]
+async fn read_many_sends_its_requests_in_one_write() {
+    const N: u64 = 64;
+    let opts = Options::default();
+    let mr = opts.domain.register(8 * N as usize, Access::ALL);
+    for i in 0..N {
+        mr.store_u64(8 * i as usize, 7000 + i);
+    }
+    let (mut l, addr) = listen(&opts).await;
+    let (c, s) = tokio::join!(TcpTransport::new().connect(&addr, &opts), l.accept());
+    let (c, _s) = (c.unwrap(), s.unwrap());
+    // In reverse, so that the order of the answers is the order asked.
+    let srcs = (0..N)
+        .rev()
+        .map(|i| mr.remote().slice(8 * i, 8).unwrap())
+        .collect();
+    let w0 = c.stats().socket_writes;
+    let got = c.read_many(srcs).await.unwrap();
+    let batch_writes = c.stats().socket_writes - w0;
+    for (k, g) in got.iter().enumerate() {
+        let i = N - 1 - k as u64;
+        assert_eq!(
+            u64::from_le_bytes(g[..].try_into().unwrap()),
+            7000 + i,
+            "read {i}"
+        );
+    }
+    assert_eq!(batch_writes, 1, "{N} reads in {batch_writes} writes");
+    let w0 = c.stats().socket_writes;
+    for i in 0..N {
+        c.read(mr.remote().slice(8 * i, 8).unwrap()).await.unwrap();
+    }
+    assert_eq!(c.stats().socket_writes - w0, N, "reads awaited one by one");
+}
+
 /// A lane other than lane 0 carries no messages, so both ends announce only
 /// the protocol's minimum of receive buffers for it (a NIC pins each one);
 /// lane 0, and a connection without lanes, announce what they were given.

@@ -136,6 +136,8 @@ type Owner = Result<(usize, Arc<Link>, u64), KvError>;
 
 /// One node's share of a one-sided MGET's first batch.
 struct Remembered {
+    /// The node's index.
+    node: usize,
     link: Arc<Link>,
     /// (key index, the remembered entry) for each item read.
     picked: Vec<(usize, Entry)>,
@@ -460,7 +462,8 @@ impl Client {
                 })
             })
             .collect();
-        let mut found: Vec<Option<Option<Bytes>>> = vec![None; keys.len()];
+        let mut found: Vec<Option<Result<Option<Bytes>, KvError>>> =
+            keys.iter().map(|_| None).collect();
         if path == GetPath::OneSided {
             self.read_remembered(keys, &owners, &mut found).await;
         }
@@ -476,23 +479,21 @@ impl Client {
         let mut rest = join_all(rest).await.into_iter();
         found
             .into_iter()
-            .map(|f| match f {
-                Some(answer) => Ok(answer),
-                None => rest.next().expect("one answer per key left"),
-            })
+            .map(|f| f.unwrap_or_else(|| rest.next().expect("one answer per key left")))
             .collect()
     }
 
     /// The first part of a one-sided MGET: per node, one batch of reads of
     /// the items the pointer cache remembers (under one lock of it), each
     /// verified as [`Client::read_one_sided`] does. Fills `found` for the
-    /// keys answered; a batch that fails leaves its keys to the single-key
-    /// path, which meets the failure and reports it.
+    /// keys answered; a batch that fails marks its node down and fails its
+    /// keys, as a single GET's failed read does (rather than waiting for the
+    /// node's deadline once more on the single-key path).
     async fn read_remembered(
         &self,
         keys: &[&[u8]],
         owners: &[Owner],
-        found: &mut [Option<Option<Bytes>>],
+        found: &mut [Option<Result<Option<Bytes>, KvError>>],
     ) {
         let mut batches: Vec<Remembered> = Vec::new();
         for n in 0..self.inner.slots.len() {
@@ -525,7 +526,12 @@ impl Client {
                 }
             }
             if !picked.is_empty() {
-                batches.push(Remembered { link, picked, at });
+                batches.push(Remembered {
+                    node: n,
+                    link,
+                    picked,
+                    at,
+                });
             }
         }
         let c = &self.inner.counters;
@@ -537,8 +543,20 @@ impl Client {
                 .into_future()
         }))
         .await;
-        for (Remembered { link, picked, .. }, items) in batches.iter().zip(reads) {
-            let Ok(items) = items else { continue };
+        for (b, items) in batches.iter().zip(reads) {
+            let Remembered {
+                node, link, picked, ..
+            } = b;
+            let items = match items {
+                Ok(items) => items,
+                Err(e) => {
+                    let why = transport_err(e);
+                    for (j, _) in picked {
+                        found[*j] = Some(Err(self.failed(*node, link, why.clone())));
+                    }
+                    continue;
+                }
+            };
             c.one_sided_reads
                 .fetch_add(picked.len() as u64, Ordering::Relaxed);
             let seed = link.info.geometry.seed;
@@ -552,7 +570,7 @@ impl Client {
                             c.one_sided_hits.fetch_add(1, Ordering::Relaxed);
                             Some(item.slice(vr))
                         };
-                        found[*j] = Some(answer);
+                        found[*j] = Some(Ok(answer));
                     }
                     Err(_) => {
                         let h = owners[*j].as_ref().expect("owned").2;

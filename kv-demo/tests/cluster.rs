@@ -375,8 +375,25 @@ async fn node_killed_and_restarted(scheme: &str) {
     }
     let a_url = a.url.clone();
     a.kill();
-    // Whatever was in flight may fail; after that every call answers.
     let t = Instant::now();
+    // An MGET's batch to the dead node fails its keys at once and marks the
+    // node down; the next MGET answers every key (the dead node's as misses).
+    let keys: Vec<Vec<u8>> = (0..100u32).map(|i| format!("k{i}").into_bytes()).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let first = c.mget(&refs, GetPath::OneSided).await;
+    let failed = first.iter().filter(|r| r.is_err()).count();
+    assert!(failed > 10, "the dead node's keys fail ({failed})");
+    for r in first.iter().filter_map(|r| r.as_ref().ok()) {
+        assert_eq!(&r.as_ref().expect("the live node's keys hit")[..], b"v");
+    }
+    assert_eq!(c.nodes_up(), vec![b.url.clone()]);
+    let second = c.mget(&refs, GetPath::OneSided).await;
+    let misses = second
+        .iter()
+        .filter(|r| r.as_ref().unwrap().is_none())
+        .count();
+    assert_eq!(misses, failed, "the dead node's keys are misses now");
+    // Whatever was in flight may fail; after that every call answers.
     let mut errors = 0;
     let mut misses = 0;
     for i in 0..100u32 {

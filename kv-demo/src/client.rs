@@ -5,6 +5,7 @@
 //! probed with backoff until it answers again (with fresh region keys).
 
 use std::future::IntoFuture;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -335,12 +336,7 @@ impl Client {
         if path == GetPath::OneSided {
             match self.read_one_sided(&link, key, h).await {
                 Ok(Some(found)) => {
-                    let counter = if found.is_some() {
-                        &c.one_sided_hits
-                    } else {
-                        &c.one_sided_misses
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
+                    self.count_one_sided(&found);
                     return Ok(found);
                 }
                 Ok(None) => {
@@ -357,6 +353,27 @@ impl Client {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(r.map(|(v, _)| Bytes::from(v.into_vec())))
+    }
+
+    /// Count a one-sided answer as a hit or a miss.
+    fn count_one_sided(&self, found: &Option<Bytes>) {
+        let c = &self.inner.counters;
+        let counter = if found.is_some() {
+            &c.one_sided_hits
+        } else {
+            &c.one_sided_misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The answer a verified item gives: its value, or a miss once it has
+    /// expired on the node's clock.
+    fn answer_of(link: &Link, item: &Bytes, expiry_ms: u64, value: Range<usize>) -> Option<Bytes> {
+        if Self::expired(link, expiry_ms) {
+            None
+        } else {
+            Some(item.slice(value))
+        }
     }
 
     /// Whether an item's expiry has passed on the node's clock (estimated,
@@ -389,8 +406,7 @@ impl Client {
                 reads.fetch_add(1, Ordering::Relaxed);
                 let item = conn.read(at).await?;
                 if let Ok((hd, vr)) = verify_item(&item, &e, key, g.seed) {
-                    let expired = Self::expired(link, hd.expiry_ms);
-                    return Ok(Some(if expired { None } else { Some(item.slice(vr)) }));
+                    return Ok(Some(Self::answer_of(link, &item, hd.expiry_ms, vr)));
                 }
             }
             link.pointers.lock().remove(h);
@@ -426,8 +442,7 @@ impl Client {
                 let item = conn.read(at).await?;
                 match verify_item(&item, &e, key, g.seed) {
                     Ok((hd, vr)) => {
-                        let expired = Self::expired(link, hd.expiry_ms);
-                        answer = Some(if expired { None } else { Some(item.slice(vr)) });
+                        answer = Some(Self::answer_of(link, &item, hd.expiry_ms, vr));
                         link.remember(h, e);
                         break;
                     }
@@ -534,7 +549,11 @@ impl Client {
                 });
             }
         }
-        let c = &self.inner.counters;
+        let asked: usize = batches.iter().map(|b| b.picked.len()).sum();
+        self.inner
+            .counters
+            .one_sided_reads
+            .fetch_add(asked as u64, Ordering::Relaxed);
         let reads = join_all(batches.iter_mut().map(|b| {
             b.link
                 .rpc
@@ -557,19 +576,12 @@ impl Client {
                     continue;
                 }
             };
-            c.one_sided_reads
-                .fetch_add(picked.len() as u64, Ordering::Relaxed);
             let seed = link.info.geometry.seed;
             for ((j, e), item) in picked.iter().zip(items) {
                 match verify_item(&item, e, keys[*j], seed) {
                     Ok((hd, vr)) => {
-                        let answer = if Self::expired(link, hd.expiry_ms) {
-                            c.one_sided_misses.fetch_add(1, Ordering::Relaxed);
-                            None
-                        } else {
-                            c.one_sided_hits.fetch_add(1, Ordering::Relaxed);
-                            Some(item.slice(vr))
-                        };
+                        let answer = Self::answer_of(link, &item, hd.expiry_ms, vr);
+                        self.count_one_sided(&answer);
                         found[*j] = Some(Ok(answer));
                     }
                     Err(_) => {

@@ -1083,12 +1083,8 @@ impl Shared {
             let mut pending = self.pending.lock();
             let before = pending.len();
             for src in &srcs {
-                let mut h = Header::new(Kind::Read);
+                let mut h = read_header(src, 0, src.len);
                 h.id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                h.addr = src.addr;
-                h.rkey = src.rkey;
-                h.a = src.len;
-                h.imm = src.len as u32;
                 let (tx, rx) = oneshot::channel();
                 pending.insert(h.id, tx);
                 guards.push(PendingGuard {
@@ -1113,15 +1109,7 @@ impl Shared {
         for (rx, src) in waits.into_iter().zip(&srcs) {
             let r = rx.await.map_err(|_| self.disconnected())?;
             status(r.status)?;
-            if r.payload.len() as u64 != src.len {
-                let e = Error::Protocol(format!(
-                    "read response of {} bytes for a {}-byte read",
-                    r.payload.len(),
-                    src.len
-                ));
-                self.fail(e.clone());
-                return Err(e);
-            }
+            self.check_read_response(r.payload.len(), src.len)?;
             out.push(r.payload);
         }
         drop(guards);
@@ -1166,6 +1154,19 @@ impl Shared {
         Ok(())
     }
 
+    /// A read response must carry exactly the bytes asked for; anything
+    /// else is a broken peer, and fails the connection.
+    fn check_read_response(&self, got: usize, want: u64) -> Result<()> {
+        if got as u64 == want {
+            return Ok(());
+        }
+        let e = Error::Protocol(format!(
+            "read response of {got} bytes for a {want}-byte read"
+        ));
+        self.fail(e.clone());
+        Err(e)
+    }
+
     /// A slot of the connection's operations in flight.
     async fn inflight_permit(&self) -> Result<SemaphorePermit<'_>> {
         self.inflight
@@ -1189,24 +1190,12 @@ impl Shared {
             .acquire_many(len.max(1) as u32)
             .await
             .map_err(|_| self.disconnected())?;
-        let mut h = Header::new(Kind::Read);
-        h.addr = src.addr;
-        h.rkey = src.rkey;
-        h.a = src.len;
-        h.b = off;
-        h.imm = len as u32;
+        let h = read_header(&src, off, len);
         let r = self
             .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)))
             .await?;
         status(r.status)?;
-        let got = r.payload.len() + r.filled;
-        if got as u64 != len {
-            let e = Error::Protocol(format!(
-                "read response of {got} bytes for a {len}-byte piece"
-            ));
-            self.fail(e.clone());
-            return Err(e);
-        }
+        self.check_read_response(r.payload.len() + r.filled, len)?;
         if let (Some((s, at)), false) = (sink, r.payload.is_empty()) {
             // Short enough to have come in with other frames: copied into place.
             s.fill(at, &r.payload).await?;
@@ -1547,6 +1536,18 @@ fn check_rdma_len(len: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The request frame for `len` bytes at `off` of `src` (the whole range's
+/// length rides along: the peer checks the piece against it).
+fn read_header(src: &RemoteRegion, off: u64, len: u64) -> Header {
+    let mut h = Header::new(Kind::Read);
+    h.addr = src.addr;
+    h.rkey = src.rkey;
+    h.a = src.len;
+    h.b = off;
+    h.imm = len as u32;
+    h
 }
 
 /// Split an operation into (offset, len) pieces of at most [`MAX_PIECE`] bytes.

@@ -196,6 +196,25 @@ if [ "$(id -u)" = 0 ] && need nft && need ip; then
   fi
   kill $SOAK_RDMA $SOAK_TCP 2>/dev/null || true
   wait $SOAK_RDMA $SOAK_TCP 2>/dev/null || true
+  # A full window (issue 14's shape): 16 writes, then 16 reads, of 1 MiB in
+  # flight, selective repeat, three rounds interleaved over the loss rates.
+  # The perf server's soft device takes UDP 4791 (the soak server's is gone),
+  # where nftables drops.
+  ip netns exec $NB $RDMX perf server --transport rdma --listen 198.18.1.2:7471 > /dev/null 2>&1 &
+  PERF_RDMA=$!
+  sleep 0.5
+  for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
+    for permille in 0 10 50; do
+      for n in $NA $NB; do
+        ip netns exec $n nft flush chain inet rdmx input
+        [ $permille = 0 ] || ip netns exec $n nft add rule inet rdmx input udp dport 4791 numgen random mod 1000 '<' $permille drop
+      done
+      run loss_window_${permille}_r$r ip netns exec $NA $RDMX perf client rdma://198.18.1.2:7471 --json --mode bw \
+        --duration-ms 2000 --op write,read --sizes 1m --window 16
+    done
+  done
+  kill $PERF_RDMA 2>/dev/null || true
+  wait $PERF_RDMA 2>/dev/null || true
   cleanup
   trap - EXIT
 else

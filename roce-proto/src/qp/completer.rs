@@ -32,6 +32,15 @@ impl Qp {
     pub(super) fn deliver_done(&mut self) {
         while self.sq.front().is_some_and(|w| w.done.is_some()) {
             let w = self.sq.pop_front().expect("front");
+            // Finished is acknowledged: `una` goes past it. (Selective
+            // repeat: a READ that finished behind an atomic still waiting
+            // for its response was popped with `una` left at its first PSN
+            // when the atomic's response came; the timer then asked for a
+            // PSN no request held until the retries ran out.)
+            let past = psn::add(w.last_psn(), 1);
+            if psn::diff(past, self.una) > 0 {
+                self.una = past;
+            }
             if self.tx_wqe > 0 {
                 self.tx_wqe -= 1;
             } else {

@@ -1004,6 +1004,15 @@ impl Qp {
             }
         } else if self.state == QpState::Rts {
             self.completer(now, pkt);
+            // Selective repeat's silence checks, when due, also run as
+            // responses arrive (as RACK runs on ACKs, RFC 8985 §6.2): a
+            // stream of another READ's responses can keep a software
+            // device's timer from running for milliseconds, and the front
+            // READ's lost re-ask waited for the stream to end (5% loss,
+            // 16 READs of 1 MiB through a veth: 6 ms per lost re-ask).
+            if self.cfg.selective_repeat && self.tail_recheck_at.is_some_and(|t| now >= t) {
+                self.recheck_read(now);
+            }
         }
     }
     /// Handle expired timers.

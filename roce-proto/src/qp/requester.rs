@@ -157,6 +157,15 @@ impl Qp {
         }
         self.account_sent(now, &pkt);
         self.sent_at = now;
+        // Selective repeat: a READ request queued behind other READs'
+        // responses times the responder's queue, not the path: a pipeline
+        // of READs let the "least" round trip creep up by a sixteenth per
+        // sample to milliseconds, and the silence checks with it. (Go-back-N
+        // keeps such samples: its timer must learn how long a READ behind
+        // others takes, see `retransmission_timer_learns_a_slow_peers_round_trip`.)
+        let clean_probe = !self.cfg.selective_repeat
+            || !matches!(self.sq[self.tx_wqe].wr, WorkRequest::Read { .. })
+            || self.sq.iter().take(self.tx_wqe).all(|w| w.done.is_some());
         let wqe = &mut self.sq[self.tx_wqe];
         if idx < wqe.sent_upto {
             self.stats.retransmits += 1;
@@ -167,7 +176,7 @@ impl Qp {
                 wqe.read_active_at = now;
                 self.tail_recheck_at.get_or_insert(now + margin);
             }
-            if self.rtt_probe.is_none() {
+            if self.rtt_probe.is_none() && clean_probe {
                 self.rtt_probe = Some((psn, now));
             }
         }

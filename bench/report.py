@@ -515,22 +515,22 @@ def sr_goodput(p):
     return med(vals) + (len(vals),)
 
 
-for p, want in ((10, 0.9), (50, 0.6)):
-    for op in ("write", "read"):
-        (lossy, ls, n), (clean, cs, n0) = window_goodput(p, op), window_goodput(0, op)
-        if lossy and clean:
-            x = lossy / clean
-            target(f"{p / 10:g}% loss, 1 MiB {op}s, 16 in flight, selective repeat ≥ {want} × lossless "
-                   f"(medians of {min(n, n0)})",
-                   f"{f(x)} × ({f(lossy, 1)} ±{f(ls, 0)}% vs {f(clean, 1)} ±{f(cs, 0)}% MB/s)",
-                   x >= want)
-    (lossy, ls, n), (clean, cs, n0) = sr_goodput(p), sr_goodput(0)
+def loss_target(what, want, lossy_med, clean_med):
+    """A loss target: the lossy median goodput against the lossless one."""
+    (lossy, ls, n), (clean, cs, n0) = lossy_med, clean_med
     if lossy and clean:
         x = lossy / clean
-        target(f"{p / 10:g}% loss, `rdmx soak` (one checked operation at a time), selective repeat "
-               f"≥ {want} × its lossless goodput (medians of {min(n, n0)})",
+        target(f"{what} ≥ {want} × its lossless goodput (medians of {min(n, n0)})",
                f"{f(x)} × ({f(lossy, 1)} ±{f(ls, 0)}% vs {f(clean, 1)} ±{f(cs, 0)}% MB/s)",
                x >= want)
+
+
+for p, want in ((10, 0.9), (50, 0.6)):
+    for op in ("write", "read"):
+        loss_target(f"{p / 10:g}% loss, 1 MiB {op}s, 16 in flight, selective repeat", want,
+                    window_goodput(p, op), window_goodput(0, op))
+    loss_target(f"{p / 10:g}% loss, `rdmx soak` (one checked operation at a time), selective repeat",
+                want, sr_goodput(p), sr_goodput(0))
 if rpc and load:
     a, u, t = load.get("rdmx-rpc/tcp"), load.get("rdmx-rpc/tcp-uncoalesced"), load.get("tonic/tcp")
     if a and t:

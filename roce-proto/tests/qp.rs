@@ -690,13 +690,18 @@ fn a_read_finished_behind_an_atomic_moves_una_past_it() {
         ce: 0.026,
         ..Link::default()
     };
+    run_sr_256(&ops_a, &ops_b, link, 1_207_260_364_616_174_162);
+}
+
+/// [`run`] with selective repeat at PMTU 256 (the proptest's cases above).
+fn run_sr_256(ops_a: &[Op], ops_b: &[Op], link: Link, seed: u64) -> Sim {
     let cfg = QpConfig {
         pmtu: 256,
         timeout: 10,
         selective_repeat: true,
         ..QpConfig::default()
     };
-    run(&ops_a, &ops_b, link, cfg, 1_207_260_364_616_174_162);
+    run(ops_a, ops_b, link, cfg, seed)
 }
 
 /// Go-back-N into a queue of 32 packets, with a window of 256: the
@@ -797,13 +802,7 @@ fn zero_length_reads_under_duplicates_complete_in_order_with_selective_repeat() 
         ce: 0.0,
         ..Link::default()
     };
-    let cfg = QpConfig {
-        pmtu: 256,
-        timeout: 10,
-        selective_repeat: true,
-        ..QpConfig::default()
-    };
-    run(&ops_a, &ops_b, link, cfg, 2835848323899206236);
+    run_sr_256(&ops_a, &ops_b, link, 2835848323899206236);
 }
 
 /// A responder whose application destroys the QP (ERROR) right after taking

@@ -1490,6 +1490,20 @@ fn lone_responder(
     (b, mem)
 }
 
+/// A READ request at `psn` for 256-byte parts `part..parts` of region R
+/// (what a requester that lost the responses before `part` asks again).
+fn read_of_r(psn: u32, part: u32, parts: u32) -> rdmx_roce_proto::Packet {
+    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
+    p.reth = Some(Reth {
+        va: R_VA + u64::from(part) * 256,
+        rkey: R_KEY,
+        dma_len: (parts - part) * 256,
+    });
+    p.finish();
+    p
+}
+
 /// A READ asked again from a PSN whose responses are still queued (the
 /// requester lost one; rxe resumes from the gap): every response from there
 /// goes out once more, with the data of its offset, instead of the old
@@ -1498,20 +1512,11 @@ fn lone_responder(
 /// keeps what is queued and adds only what is not, ahead of it.
 #[test]
 fn a_resumed_read_restarts_the_queued_responses() {
-    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    use rdmx_roce_proto::{Opcode, Packet};
     for selective_repeat in [false, true] {
         let (mut b, mut mem) = lone_responder(selective_repeat, 3);
         let want = pattern(3, REGION);
-        let read = |psn: u32, part: u32, parts: u32| {
-            let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
-            p.reth = Some(Reth {
-                va: R_VA + u64::from(part) * 256,
-                rkey: R_KEY,
-                dma_len: (parts - part) * 256,
-            });
-            p.finish();
-            p
-        };
+        let read = read_of_r;
         // 8 responses; 3 go out, then the requester asks again from the
         // second (100 + 1): the first was all it got.
         b.handle_packet(0, &read(100, 0, 8), false, &mut mem);
@@ -1548,19 +1553,10 @@ fn a_resumed_read_restarts_the_queued_responses() {
 /// queued before the responses keep their place.
 #[test]
 fn a_re_ask_is_answered_ahead_of_queued_responses() {
-    use rdmx_roce_proto::{Bth, Opcode, Packet, Reth};
+    use rdmx_roce_proto::{Opcode, Packet};
     let (mut b, mut mem) = lone_responder(true, 4);
     let want = pattern(4, REGION);
-    let read = |psn: u32, part: u32, parts: u32| {
-        let mut p = Packet::new(Bth::new(Opcode::RDMA_READ_REQUEST, 0x22, psn));
-        p.reth = Some(Reth {
-            va: R_VA + u64::from(part) * 256,
-            rkey: R_KEY,
-            dma_len: (parts - part) * 256,
-        });
-        p.finish();
-        p
-    };
+    let read = read_of_r;
     // Two READs of 8 responses each (PSNs 100-107, 108-115); 3 go out.
     b.handle_packet(0, &read(100, 0, 8), false, &mut mem);
     b.handle_packet(0, &read(108, 0, 8), false, &mut mem);

@@ -222,6 +222,14 @@ pub(crate) struct Device {
     cfg: SoftConfig,
     handle: tokio::runtime::Handle,
     rx: Vec<RxQueue>,
+    /// Receive batches that took packets, counted once the QPs they touched
+    /// are pumped (what they caused to be sent is then in a socket): the
+    /// timer's drain passes until a whole pass saw this unchanged.
+    rx_batches_pumped: AtomicU64,
+    /// Tests: how long a receive task waits between its batch and the
+    /// pumping of the QPs it touched (a task that lost its core there).
+    #[cfg(test)]
+    pump_delay_ms: AtomicU64,
     port: u16,
     qps: RwLock<FxHashMap<u32, Arc<SoftQp>>>,
     next_qpn: AtomicU32,
@@ -372,6 +380,13 @@ struct RxQueue {
     /// declares a peer silent (see [`drain_before_timers`]). One at a time,
     /// so datagrams reach the engine in the order the socket gave them.
     work: Mutex<RxWork>,
+    /// Held for a whole receive pass of the queue's task or the timer's:
+    /// the batch (under `work`) and the pumping of the QPs it touched
+    /// (with `work` let go, see [`receive_pass`]). The timer task waits
+    /// for it before it declares a peer silent: an answer taken but not yet
+    /// pumped on (the ACK a loopback peer sends for a write it has just
+    /// applied) is not in any socket yet.
+    pass: Mutex<()>,
 }
 
 /// What one receive pass works with.
@@ -379,9 +394,6 @@ struct RxWork {
     bufs: Vec<BytesMut>,
     metas: Vec<RecvMeta>,
     solver: Ipv4IdSolver,
-    /// The QPs the batch's datagrams went to (pumped once the queue's
-    /// lock is let go: see [`pump_touched`]).
-    touched: Vec<Arc<SoftQp>>,
 }
 
 impl RxWork {
@@ -390,7 +402,6 @@ impl RxWork {
             bufs: (0..RX_BATCH).map(|_| BytesMut::zeroed(RX_BUF)).collect(),
             metas: vec![RecvMeta::default(); RX_BATCH],
             solver: Ipv4IdSolver::new(),
-            touched: Vec::new(),
         }
     }
 }
@@ -451,6 +462,7 @@ impl SoftRoce {
                     sock,
                     state,
                     work: Mutex::new(RxWork::new()),
+                    pass: Mutex::new(()),
                 });
             }
         }
@@ -459,6 +471,9 @@ impl SoftRoce {
             cfg,
             handle: handle.clone(),
             rx,
+            rx_batches_pumped: AtomicU64::new(0),
+            #[cfg(test)]
+            pump_delay_ms: AtomicU64::new(0),
             port,
             qps: RwLock::default(),
             next_qpn: AtomicU32::new(first_qpn),
@@ -1303,14 +1318,17 @@ impl SoftQp {
             for rx in &self.dev.rx {
                 // A queue its receive task is working on: that task takes
                 // this QP's lock next (given to it fairly here).
+                // The QPs touched are pumped with the queue still held:
+                // this thread is in no pass of its own the timer could wait
+                // for (see `RxQueue::pass`).
                 let Some(mut w) = rx.work.try_lock() else {
                     continue;
                 };
-                let r = receive_batch(&self.dev, rx, &mut w);
-                let touched = std::mem::take(&mut w.touched);
-                drop(w);
-                pump_touched(&self.dev, touched, Taker::Burst(self));
-                if let Ok(n) = r {
+                if let Ok((n, touched)) = receive_batch(&self.dev, rx, &mut w) {
+                    pump_touched(&self.dev, touched, Taker::Burst(self));
+                    if n > 0 {
+                        self.dev.rx_batches_pumped.fetch_add(1, Ordering::SeqCst);
+                    }
                     took += n;
                 }
             }
@@ -1786,15 +1804,16 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
             // leaving it unread until the burst ends (the peer's re-asks of
             // lost responses waited behind whole READs: 5% loss, 16 READs of
             // 1 MiB, a twentieth of the lossless rate).
-            let (r, touched) = {
-                let mut w = rx.work.lock();
-                let r = receive_batch(&d, rx, &mut w);
-                (r, std::mem::take(&mut w.touched))
+            let r = match receive_pass(&d, rx, Taker::Task) {
+                Ok((n, held)) => {
+                    // After every batch, not once the socket is empty: a
+                    // stream of full batches would hold the ACKs for as long
+                    // as it lasts.
+                    release_held_acks(&d, held).await;
+                    Ok(n)
+                }
+                Err(e) => Err(e),
             };
-            let held = pump_touched(&d, touched, Taker::Task);
-            // After every batch, not once the socket is empty: a stream of
-            // full batches would hold the ACKs for as long as it lasts.
-            release_held_acks(&d, held).await;
             match r {
                 Ok(n) if n == RX_BATCH => {}
                 // A short batch emptied the socket. Readiness is cleared
@@ -1892,15 +1911,18 @@ pub fn on_thread_park() {
 }
 
 /// One receive call on `rx` (up to [`RX_BATCH`] datagrams, GRO runs split),
-/// each datagram verified and given to its QP; the QPs it touched are left
-/// in `w.touched`, for [`pump_touched`] once the caller lets the queue go.
-/// Returns how many receive slots were filled.
-fn receive_batch(d: &Arc<Device>, rx: &RxQueue, w: &mut RxWork) -> io::Result<usize> {
+/// each datagram verified and given to its QP. Returns how many receive
+/// slots were filled and the QPs the datagrams went to, for
+/// [`pump_touched`] (once the caller lets the queue go, or at once).
+fn receive_batch(
+    d: &Arc<Device>,
+    rx: &RxQueue,
+    w: &mut RxWork,
+) -> io::Result<(usize, Vec<Arc<SoftQp>>)> {
     let RxWork {
         bufs,
         metas,
         solver,
-        touched,
     } = w;
     let n = {
         let mut iovs: Vec<IoSliceMut<'_>> = bufs
@@ -1910,6 +1932,7 @@ fn receive_batch(d: &Arc<Device>, rx: &RxQueue, w: &mut RxWork) -> io::Result<us
         rx.state.recv(rx.sock.get_ref().into(), &mut iovs, metas)?
     };
     let now = d.now();
+    let mut touched = Vec::new();
     for (meta, slot) in metas.iter().zip(bufs.iter_mut()).take(n) {
         // The engine gets each datagram as a slice of the buffer (no copy
         // before it applies the payload), then the buffer goes back to its
@@ -1921,14 +1944,39 @@ fn receive_batch(d: &Arc<Device>, rx: &RxQueue, w: &mut RxWork) -> io::Result<us
         while at < meta.len {
             let end = (at + stride).min(meta.len);
             let dgram = full.slice(at..end);
-            handle_datagram(d, solver, now, meta, &dgram, touched);
+            handle_datagram(d, solver, now, meta, &dgram, &mut touched);
             at = end;
         }
         *slot = full
             .try_into_mut()
             .unwrap_or_else(|_| BytesMut::zeroed(RX_BUF));
     }
-    Ok(n)
+    Ok((n, touched))
+}
+
+/// One receive pass on `rx`, under its `pass` lock: a batch taken under the
+/// queue's `work` lock, then the QPs it touched pumped with `work` let go.
+/// Returns how many receive slots were filled and the QPs whose ACK is held
+/// for the application's answer (see [`pump_touched`]).
+fn receive_pass(
+    d: &Arc<Device>,
+    rx: &RxQueue,
+    taker: Taker<'_>,
+) -> io::Result<(usize, Vec<Arc<SoftQp>>)> {
+    let _pass = rx.pass.lock();
+    let batch = receive_batch(d, rx, &mut rx.work.lock());
+    let (n, touched) = batch?;
+    #[cfg(test)]
+    if matches!(taker, Taker::Task) && n > 0 {
+        std::thread::sleep(Duration::from_millis(
+            d.pump_delay_ms.load(Ordering::Relaxed),
+        ));
+    }
+    let held = pump_touched(d, touched, taker);
+    if n > 0 {
+        d.rx_batches_pumped.fetch_add(1, Ordering::SeqCst);
+    }
+    Ok((n, held))
 }
 
 /// Pump the QPs a receive batch touched (the receive queue's lock let go).
@@ -1975,26 +2023,23 @@ fn pump_touched(d: &Device, touched: Vec<Arc<SoftQp>>, taker: Taker<'_>) -> Vec<
 fn drain_before_timers(d: &Arc<Device>) {
     let mut calls = 0;
     // Whole passes over the queues until one in which nobody (this task, or a
-    // receive task it waited for) took a packet: what a packet taken from one
-    // queue causes to be sent (a loopback peer's ACK) can land in a queue the
-    // pass has already emptied.
+    // receive task it waited for) finished a batch that took packets: what a
+    // packet taken from one queue causes to be sent (a loopback peer's ACK)
+    // can land in a queue the pass has already emptied. Batches are counted
+    // once pumped, not packets once taken: a receive task that took the
+    // peer's write before this pass began may send its ACK, to a queue
+    // already passed, only while this pass waits for its queue.
     while calls < DRAIN_BATCHES {
-        let seen = d.counters.rx_packets.load(Ordering::SeqCst);
+        let seen = d.rx_batches_pumped.load(Ordering::SeqCst);
         for rx in &d.rx {
             while calls < DRAIN_BATCHES {
                 calls += 1;
-                let (r, touched) = {
-                    let mut w = rx.work.lock();
-                    let r = receive_batch(d, rx, &mut w);
-                    (r, std::mem::take(&mut w.touched))
-                };
-                pump_touched(d, touched, Taker::Timer);
-                if !matches!(r, Ok(n) if n > 0) {
+                if !matches!(receive_pass(d, rx, Taker::Timer), Ok((n, _)) if n > 0) {
                     break;
                 }
             }
         }
-        if d.counters.rx_packets.load(Ordering::SeqCst) == seen {
+        if d.rx_batches_pumped.load(Ordering::SeqCst) == seen {
             break;
         }
     }
@@ -2216,7 +2261,49 @@ mod tests {
     /// a peer that had answered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn timers_wait_for_a_receive_task_held_up_mid_batch() {
-        use std::future::IntoFuture;
+        let (dev, p, mr) = written_pair().await;
+        let before = p.client.stats();
+        for round in 2..7u8 {
+            let (held_tx, held) = std::sync::mpsc::channel();
+            let d = dev.dev.clone();
+            let holder = std::thread::spawn(move || {
+                let guards: Vec<_> = d.rx.iter().map(|q| q.work.lock()).collect();
+                held_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(30));
+                drop(guards);
+            });
+            held.recv().unwrap();
+            write_round(&p, &mr, round).await;
+            holder.join().unwrap();
+        }
+        assert_nothing_resent(before, p.client.stats());
+    }
+
+    /// A receive task that lost its core after its batch, before pumping the
+    /// QPs it touched (here: 5 ms, past the 1 ms timer floor), has applied a
+    /// write whose ACK is in no socket yet; the timer task waits for the
+    /// task's whole pass, so nothing times out and nothing is resent. The
+    /// timer once waited for the batch only (the queue's `work` lock) and
+    /// fired a tail probe on a peer that had answered (a CI run under load).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn timers_wait_for_a_receive_task_held_up_before_pumping() {
+        let (dev, p, mr) = written_pair().await;
+        let before = p.client.stats();
+        dev.dev.pump_delay_ms.store(5, Ordering::Relaxed);
+        for round in 2..12u8 {
+            write_round(&p, &mr, round).await;
+        }
+        dev.dev.pump_delay_ms.store(0, Ordering::Relaxed);
+        assert_nothing_resent(before, p.client.stats());
+    }
+
+    /// A soft device (one for both ends) with a connected pair and a 4 KiB
+    /// region of the server's, written once.
+    async fn written_pair() -> (
+        Arc<SoftRoce>,
+        rdmx_conformance::Pair,
+        rdmx_core::MemoryRegion,
+    ) {
         let dev = Arc::new(
             SoftRoce::new(SoftConfig {
                 port: 0,
@@ -2230,28 +2317,23 @@ mod tests {
         )
         .pair()
         .await;
-        let c = &p.client;
         let mr = p.server_opts.domain.register(4096, Access::ALL);
-        c.write(vec![1u8; 4096], mr.remote()).await.unwrap();
-        let before = c.stats();
-        for round in 2..7u8 {
-            let (held_tx, held) = std::sync::mpsc::channel();
-            let d = dev.dev.clone();
-            let holder = std::thread::spawn(move || {
-                let guards: Vec<_> = d.rx.iter().map(|q| q.work.lock()).collect();
-                held_tx.send(()).unwrap();
-                std::thread::sleep(Duration::from_millis(30));
-                drop(guards);
-            });
-            held.recv().unwrap();
-            c.write(vec![round; 4096], mr.remote())
-                .into_future()
-                .await
-                .unwrap();
-            holder.join().unwrap();
-            assert!(mr.read().iter().all(|&b| b == round), "round {round}");
-        }
-        let after = c.stats();
+        p.client.write(vec![1u8; 4096], mr.remote()).await.unwrap();
+        (dev, p, mr)
+    }
+
+    /// Write `round` over the region and check it landed.
+    async fn write_round(p: &rdmx_conformance::Pair, mr: &rdmx_core::MemoryRegion, round: u8) {
+        use std::future::IntoFuture;
+        p.client
+            .write(vec![round; 4096], mr.remote())
+            .into_future()
+            .await
+            .unwrap();
+        assert!(mr.read().iter().all(|&b| b == round), "round {round}");
+    }
+
+    fn assert_nothing_resent(before: rdmx_core::StatsSnapshot, after: rdmx_core::StatsSnapshot) {
         assert_eq!(
             after.retransmit_timeouts, before.retransmit_timeouts,
             "{after:?}"

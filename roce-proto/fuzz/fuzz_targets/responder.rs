@@ -34,7 +34,10 @@ fuzz_target!(|data: &[u8]| {
     mem.add(0x20, 0x8000, vec![0; 256]);
     mem.regions[1].write = false;
     let mut mem = Checked(mem);
-    let cfg = QpConfig { pmtu: 256, ..QpConfig::default() };
+    // Bit 7 of the first byte: selective repeat (packets kept out of order,
+    // WRITE packets placed on arrival, selective NAKs).
+    let selective_repeat = data.first().is_some_and(|b| b & 0x80 != 0);
+    let cfg = QpConfig { pmtu: 256, selective_repeat, ..QpConfig::default() };
     let mut qp = Qp::new(cfg, 7);
     qp.connect(9, 0, 0).unwrap();
     for i in 0..4 {

@@ -178,9 +178,12 @@ impl Qp {
                         self.recover(now, p, Some(now));
                     }
                     Syndrome::Nak(NakCode::Other(SR_HOLE)) if self.cfg.selective_repeat => {
-                        // A hole the responder names: resend just that packet.
+                        // A hole the responder names: resend just that packet
+                        // (at once if a packet sent after its resend
+                        // arrived: see `resend_overtaken`).
                         self.stats.naks_received += 1;
-                        if psn::diff(p, self.una) > 0 {
+                        let trigger = aeth.msn & psn::PSN_MASK;
+                        if psn::diff(p, self.una) >= 0 && !self.resend_overtaken(p, trigger) {
                             self.recover(now, p, Some(now));
                         }
                     }

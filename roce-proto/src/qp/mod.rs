@@ -270,6 +270,9 @@ pub struct QpStats {
     pub cnps_received: u64,
     /// Selective repeat: packets the responder kept out of order.
     pub out_of_order_kept: u64,
+    /// Selective repeat: WRITE packets kept out of order whose payload went
+    /// to memory on arrival (see `Qp::place_ahead`).
+    pub placed_ahead: u64,
     /// Remote WRITEs, READs and atomics this responder executed (not duplicates).
     pub remote_ops: u64,
     /// Remote accesses this responder refused (NAK remote access / invalid request).
@@ -278,6 +281,9 @@ pub struct QpStats {
     /// before (its resend may still be on the way): the packet is resent
     /// again only if still missing a round trip after the last resend.
     pub naks_before_resend: u64,
+    /// Selective repeat: resends seen lost by a selective NAK that a packet
+    /// sent after them prompted (resent again at once).
+    pub resends_lost: u64,
     /// Selective repeat: tail probes, the oldest unacknowledged and the last
     /// packet sent resent after the responder fell silent (see
     /// `Qp::recheck_write_tail`; READ re-asks count as retransmits).
@@ -367,6 +373,18 @@ struct RecvWqe {
 enum OpenMessage {
     Send { wqe: RecvWqe, buf: BytesMut },
     Write { reth: Reth, offset: u64 },
+}
+
+/// Selective repeat: a packet the responder keeps ahead of ePSN until the
+/// gap below it fills.
+#[derive(Debug)]
+struct Kept {
+    /// The packet, without its payload if that is in memory already.
+    pkt: Packet,
+    /// The payload's length if it was written to memory on arrival (see
+    /// [`Qp::place_ahead`]): executed in order, the packet then only moves
+    /// the message on.
+    placed: Option<usize>,
 }
 
 #[derive(Clone, Debug)]
@@ -473,8 +491,7 @@ pub struct Qp {
     /// Selective repeat: when each PSN still unacknowledged was last resent.
     /// A NAK naming it again sooner than a round trip later was sent before
     /// the resend could arrive: acting on it would send a duplicate.
-    /// (last resent at, first resent at).
-    resent_at: HashMap<u32, (u64, u64)>,
+    resent_at: HashMap<u32, Resend>,
     /// Selective repeat: packets named by such an early NAK (PSN, last
     /// resent at, due): resent once more when due if still unacknowledged
     /// and not resent since (the resend was lost too), so the last hole of
@@ -527,7 +544,7 @@ pub struct Qp {
     since_ack: u32,
     /// Selective repeat: packets that arrived ahead of ePSN, executed in order
     /// once the gap fills.
-    ooo: std::collections::BTreeMap<u32, Packet>,
+    ooo: std::collections::BTreeMap<u32, Kept>,
     /// The PSN just past the highest one `ooo` holds (a READ request
     /// holds its responses' PSNs); meaningful while `ooo` is not empty.
     ooo_end: u32,
@@ -551,8 +568,24 @@ pub struct Qp {
 
 /// NAK code of the rdmx selective NAK ("this PSN is missing"; nothing is
 /// acknowledged by it). IBTA reserves codes 5..=31; only sent to rdmx peers
-/// that negotiated selective repeat.
+/// that negotiated selective repeat. Its AETH MSN field carries the PSN of
+/// the packet whose arrival prompted it (24 bits, as a PSN): the requester
+/// tells by it whether a packet sent after a resend of the hole arrived,
+/// which on a path that keeps order means that resend was lost too (RFC
+/// 8985's RACK, by send order).
 const SR_HOLE: u8 = 0x1F;
+
+/// Selective repeat: a packet resent and not yet acknowledged.
+#[derive(Clone, Copy, Debug)]
+struct Resend {
+    /// When it was last resent.
+    at: u64,
+    /// When it was first resent.
+    first: u64,
+    /// The next new PSN to go when it was last resent: a packet at or past
+    /// it was sent after that resend.
+    next_new: u32,
+}
 
 /// An ACK waits for the application's answer ([`QpConfig::ack_hold_ns`])
 /// only while it would acknowledge at most this many request packets: a

@@ -317,7 +317,7 @@ impl Qp {
                     && psn::diff(psn, w.last_psn()) <= 0
             });
             if single {
-                if let (Some(now), Some(&(at, _)), Some(margin)) = (
+                if let (Some(now), Some(&Resend { at, .. }), Some(margin)) = (
                     nak_at,
                     self.resent_at.get(&psn),
                     self.round_trip_margin_ns(),
@@ -372,7 +372,7 @@ impl Qp {
                 .resent_at
                 .iter()
                 .filter(|&(&q, _)| psn::diff(q, una) < 0)
-                .map(|(_, &(_, first))| now.saturating_sub(first))
+                .map(|(_, r)| now.saturating_sub(r.first))
                 .min();
             sample = sample.max(repair);
             self.resent_at.retain(|&q, _| psn::diff(q, una) >= 0);

@@ -6,6 +6,17 @@ use super::*;
 use std::collections::HashSet;
 
 impl Qp {
+    /// The rdmx selective NAK for the missing `hole`, prompted by the arrival
+    /// of `trigger` (carried in the MSN field, see [`SR_HOLE`]).
+    pub(super) fn hole_nak(&mut self, hole: u32, trigger: u32) {
+        self.stats.naks_sent += 1;
+        let mut nak = self.ack_packet(hole, 0x60 | SR_HOLE);
+        if let Some(a) = nak.aeth.as_mut() {
+            a.msn = trigger & psn::PSN_MASK;
+        }
+        self.resp_tx.push_back(nak);
+    }
+
     pub(super) fn ack_packet(&self, psn: u32, syndrome: u8) -> Packet {
         let mut p = Packet::new(Bth::new(Opcode::ACKNOWLEDGE, self.remote_qpn, psn));
         p.aeth = Some(Aeth {
@@ -60,14 +71,28 @@ impl Qp {
             // selective repeat the packet is kept (within the requester's
             // window) and executed in order once the gap fills.
             if self.cfg.selective_repeat && d < 2 * self.cfg.max_unacked.max(1) as i32 {
-                // Kept with a payload of its own: a payload sliced from a
-                // receive buffer (Packet::decode_shared) would hold the
-                // whole buffer for as long as the gap lasts.
-                let mut kept = pkt.clone();
-                kept.payload = Bytes::copy_from_slice(&pkt.payload);
                 let had_kept = !self.ooo.is_empty();
                 let end = psn::add(pkt.bth.psn, self.kept_span(pkt));
-                if self.ooo.insert(pkt.bth.psn, kept).is_none() {
+                // A copy of one kept already (its resend crossed the NAK):
+                // the first one stands.
+                if !self.ooo.contains_key(&pkt.bth.psn) {
+                    // A hole filled behind the first one (a resend, sent
+                    // after the first hole's own resend, if any): name the
+                    // first hole again, with this packet as the trigger.
+                    if self.nak_sent && had_kept && psn::diff(pkt.bth.psn, self.ooo_end) < 0 {
+                        self.hole_nak(self.epsn, pkt.bth.psn);
+                    }
+                    let placed = self.place_ahead(pkt, d as u32, mem);
+                    // Kept with a payload of its own, if any: a payload
+                    // sliced from a receive buffer (Packet::decode_shared)
+                    // would hold the whole buffer for as long as the gap
+                    // lasts.
+                    let mut kept = pkt.clone();
+                    kept.payload = match placed {
+                        Some(_) => Bytes::new(),
+                        None => Bytes::copy_from_slice(&pkt.payload),
+                    };
+                    self.ooo.insert(pkt.bth.psn, Kept { pkt: kept, placed });
                     self.stats.out_of_order_kept += 1;
                 }
                 // A hole above those already named (the requester's burst
@@ -97,7 +122,7 @@ impl Qp {
             if !self.nak_sent {
                 self.nak_sent = true;
                 self.since_nak = 0;
-                self.nak_gaps(32);
+                self.nak_gaps(32, pkt.bth.psn);
             }
             return;
         }
@@ -117,7 +142,10 @@ impl Qp {
             let Some(next) = self.ooo.remove(&self.epsn) else {
                 break;
             };
-            self.execute(&next, mem);
+            match next.placed {
+                Some(len) => self.write_packet(&next.pkt, len, true, mem),
+                None => self.execute(&next.pkt, mem),
+            }
             ran = true;
         }
         // Drop anything the executed requests overtook (a READ covers many PSNs).
@@ -131,7 +159,7 @@ impl Qp {
             // again in case their resends were lost.
             self.nak_sent = true;
             self.since_nak = 0;
-            self.nak_gaps(4);
+            self.nak_gaps(4, pkt.bth.psn);
         }
     }
 
@@ -245,7 +273,61 @@ impl Qp {
         }
     }
 
+    /// Selective repeat: a WRITE packet `d` PSNs ahead of ePSN that belongs to
+    /// the open WRITE message (its first packet executed: R_Key, bounds and
+    /// rights are checked for the whole range) goes to memory on arrival, as
+    /// IRN places packets that arrive out of order (SIGCOMM'18 §4.2); only
+    /// its header waits for the gap. A loss then costs no copy of the
+    /// packets behind it (at 1% loss with a full window, nine in ten arrive
+    /// behind a hole). Placed only where a valid message has the packet: a
+    /// MIDDLE of a full MTU that ends before the message does, or the LAST
+    /// (without immediate: that one needs a receive, taken in order) that
+    /// ends it; the packets between are then MIDDLEs of a full MTU each.
+    /// Never a later message's packets: one still missing in between may
+    /// write the same bytes, and in order the later one wins (the
+    /// proptest's model caught that). Returns the length placed, or
+    /// `None`: the packet is kept whole and executed in order, where
+    /// whatever is wrong with it is answered.
+    pub(super) fn place_ahead(
+        &mut self,
+        pkt: &Packet,
+        d: u32,
+        mem: &mut dyn Memory,
+    ) -> Option<usize> {
+        let Some(OpenMessage::Write { reth, offset }) = &self.open else {
+            return None;
+        };
+        let pmtu = u64::from(self.cfg.pmtu);
+        let len = pkt.payload.len() as u64;
+        let off = offset + u64::from(d) * pmtu;
+        let end = off + len;
+        let total = u64::from(reth.dma_len);
+        let fits = match pkt.bth.opcode {
+            Opcode::RDMA_WRITE_MIDDLE => len == pmtu && end < total,
+            Opcode::RDMA_WRITE_LAST => (1..=pmtu).contains(&len) && end == total,
+            _ => false,
+        };
+        if !fits {
+            return None;
+        }
+        mem.write(reth.rkey, reth.va + off, &pkt.payload).ok()?;
+        self.stats.placed_ahead += 1;
+        Some(len as usize)
+    }
+
     pub(super) fn recv_write(&mut self, pkt: &Packet, mem: &mut dyn Memory) {
+        self.write_packet(pkt, pkt.payload.len(), false, mem);
+    }
+
+    /// Execute a WRITE packet of `len` payload bytes, written to memory here
+    /// unless `placed` on arrival already.
+    pub(super) fn write_packet(
+        &mut self,
+        pkt: &Packet,
+        len: usize,
+        placed: bool,
+        mem: &mut dyn Memory,
+    ) {
         let op = pkt.bth.opcode;
         let starts = matches!(
             op,
@@ -262,7 +344,7 @@ impl Qp {
             (None, true) | (Some(OpenMessage::Write { .. }), false) => {}
             _ => return self.send_nak(NakCode::InvalidRequest, true),
         }
-        if !self.length_ok(op, pkt.payload.len()) {
+        if !self.length_ok(op, len) {
             return self.send_nak(NakCode::InvalidRequest, true);
         }
         // A write with immediate needs a receive; check before touching memory.
@@ -286,12 +368,12 @@ impl Qp {
             unreachable!("checked above")
         };
         let (reth, off) = (*reth, *offset);
-        let end = off + pkt.payload.len() as u64;
+        let end = off + len as u64;
         if end > u64::from(reth.dma_len) || (ends && end != u64::from(reth.dma_len)) {
             self.open = None;
             return self.send_nak(NakCode::InvalidRequest, true);
         }
-        if !pkt.payload.is_empty() {
+        if !placed && !pkt.payload.is_empty() {
             if let Err(e) = mem.write(reth.rkey, reth.va + off, &pkt.payload) {
                 self.open = None;
                 return self.send_nak(mem_nak(e), true);
@@ -535,6 +617,11 @@ impl Qp {
                         .iter()
                         .position(|q| q.bth.opcode.is_read_response())
                         .unwrap_or(self.resp_tx.len());
+                    // One by one: `VecDeque::insert` moves the shorter side,
+                    // here the few packets ahead of `front` (splitting the
+                    // queue off and appending it back moved the whole
+                    // window of queued responses per re-ask: 5% loss, 16
+                    // READs of 1 MiB through a veth, a quarter slower).
                     for (k, q) in fresh.into_iter().enumerate() {
                         self.resp_tx.insert(front + k, q);
                     }

@@ -20,7 +20,7 @@ impl Qp {
         let mut i = 0;
         while i < self.retx_due.len() {
             let (p, at, due) = self.retx_due[i];
-            if psn::diff(p, una) < 0 || self.resent_at.get(&p).map(|r| r.0) != Some(at) {
+            if psn::diff(p, una) < 0 || self.resent_at.get(&p).map(|r| r.at) != Some(at) {
                 self.retx_due.swap_remove(i);
             } else if due <= now {
                 self.retx_due.swap_remove(i);
@@ -75,11 +75,53 @@ impl Qp {
             pkt.bth.ack_req = true;
             self.account_sent(now, &pkt);
             self.stats.retransmits += 1;
-            let first = self.resent_at.get(&p).map_or(now, |r| r.1);
-            self.resent_at.insert(p, (now, first));
+            let first = self.resent_at.get(&p).map_or(now, |r| r.first);
+            let next_new = self.next_new_psn();
+            self.resent_at.insert(
+                p,
+                Resend {
+                    at: now,
+                    first,
+                    next_new,
+                },
+            );
             return Some(pkt);
         }
         None
+    }
+
+    /// The PSN of the next packet sent for the first time.
+    pub(super) fn next_new_psn(&self) -> u32 {
+        match self.sq.get(self.tx_wqe) {
+            None => self.next_psn,
+            Some(w) => psn::add(w.first_psn, self.tx_pkt),
+        }
+    }
+
+    /// Selective repeat: a selective NAK names `hole`, prompted by the
+    /// arrival of `trigger`. If `hole` was resent and `trigger` left after
+    /// that resend (sent for the first time then, or resent since), the
+    /// resend should have arrived first on a path that keeps order: it was
+    /// lost too. Resend it now, instead of a round trip and a half after
+    /// the resend (with a full window queued on the path, milliseconds in
+    /// which the window stays shut on the hole: 16 writes of 1 MiB at 5%
+    /// loss in the simulator, 0.48-0.73 of the lossless goodput).
+    /// Returns whether it was queued again.
+    pub(super) fn resend_overtaken(&mut self, hole: u32, trigger: u32) -> bool {
+        let Some(r) = self.resent_at.get(&hole).copied() else {
+            return false;
+        };
+        let next = self.next_new_psn();
+        let sent_new_after = psn::diff(trigger, r.next_new) >= 0 && psn::diff(trigger, next) < 0;
+        let resent_after = self.resent_at.get(&trigger).is_some_and(|t| t.at > r.at);
+        if trigger == hole || !(sent_new_after || resent_after) {
+            return false;
+        }
+        self.stats.resends_lost += 1;
+        if !self.retx.contains(&hole) {
+            self.retx.push_back(hole);
+        }
+        true
     }
 
     /// Selective repeat: take a READ response wherever it falls in the front
@@ -314,10 +356,7 @@ impl Qp {
             return; // `recheck_read`
         }
         // The next new packet, if the window lets it go.
-        let next = match self.sq.get(self.tx_wqe) {
-            None => self.next_psn,
-            Some(w) => psn::add(w.first_psn, self.tx_pkt),
-        };
+        let next = self.next_new_psn();
         if self.tx_wqe < self.sq.len() && psn::diff(next, self.una) < self.cfg.max_unacked as i32 {
             return; // new packets still go: they make the responder speak
         }
@@ -336,7 +375,7 @@ impl Qp {
                 let recent = self
                     .resent_at
                     .get(&p)
-                    .is_some_and(|&(at, _)| now.saturating_sub(at) < margin);
+                    .is_some_and(|r| now.saturating_sub(r.at) < margin);
                 if !recent && !self.retx.contains(&p) {
                     self.retx.push_back(p);
                 }
@@ -499,9 +538,7 @@ impl Qp {
             return;
         }
         for k in 0..(n as u32).min(max_holes) {
-            self.stats.naks_sent += 1;
-            let hole = self.ack_packet(psn::add(from, k), 0x60 | SR_HOLE);
-            self.resp_tx.push_back(hole);
+            self.hole_nak(psn::add(from, k), psn);
         }
     }
 
@@ -510,8 +547,11 @@ impl Qp {
     /// further missing PSNs (up to `max_holes`) below the highest one kept, with the rdmx
     /// selective NAK (syndrome 0x60 | SR_HOLE, a code IBTA reserves; only
     /// sent to peers that negotiated selective repeat), so one round trip
-    /// repairs every hole, as IRN's NACKs do.
-    pub(super) fn nak_gaps(&mut self, max_holes: usize) {
+    /// repairs every hole, as IRN's NACKs do. The first missing PSN is named
+    /// by a selective NAK too, which carries `trigger` (the PSN whose
+    /// arrival prompted this): that tells the requester whether a resend of
+    /// it was overtaken.
+    pub(super) fn nak_gaps(&mut self, max_holes: usize, trigger: u32) {
         self.send_nak(NakCode::PsnSequenceError, false);
         if !self.cfg.selective_repeat {
             return;
@@ -522,10 +562,10 @@ impl Qp {
         let mut kept: Vec<(i32, u32)> = self
             .ooo
             .values()
-            .map(|p| (psn::diff(p.bth.psn, epsn), self.kept_span(p)))
+            .map(|k| (psn::diff(k.pkt.bth.psn, epsn), self.kept_span(&k.pkt)))
             .collect();
         kept.sort_unstable();
-        let mut next = 1i32; // epsn itself was NAKed above
+        let mut next = 0i32;
         let mut holes = Vec::new();
         for (d, span) in kept {
             while next < d && holes.len() < max_holes {
@@ -535,9 +575,7 @@ impl Qp {
             next = next.max(d + span as i32);
         }
         for p in holes {
-            self.stats.naks_sent += 1;
-            let hole = self.ack_packet(p, 0x60 | SR_HOLE);
-            self.resp_tx.push_back(hole);
+            self.hole_nak(p, trigger);
         }
     }
 }

@@ -106,7 +106,8 @@ impl Qp {
     /// the resend (with a full window queued on the path, milliseconds in
     /// which the window stays shut on the hole: 16 writes of 1 MiB at 5%
     /// loss in the simulator, 0.48-0.73 of the lossless goodput).
-    /// Returns whether it was queued again.
+    /// Returns whether the resend was seen lost (it is then queued, once:
+    /// a second NAK naming it before it leaves changes nothing).
     pub(super) fn resend_overtaken(&mut self, hole: u32, trigger: u32) -> bool {
         let Some(r) = self.resent_at.get(&hole).copied() else {
             return false;
@@ -117,8 +118,8 @@ impl Qp {
         if trigger == hole || !(sent_new_after || resent_after) {
             return false;
         }
-        self.stats.resends_lost += 1;
         if !self.retx.contains(&hole) {
+            self.stats.resends_lost += 1;
             self.retx.push_back(hole);
         }
         true

@@ -1326,9 +1326,7 @@ impl SoftQp {
                 };
                 if let Ok((n, touched)) = receive_batch(&self.dev, rx, &mut w) {
                     pump_touched(&self.dev, touched, Taker::Burst(self));
-                    if n > 0 {
-                        self.dev.rx_batches_pumped.fetch_add(1, Ordering::SeqCst);
-                    }
+                    count_pumped(&self.dev, n);
                     took += n;
                 }
             }
@@ -1804,25 +1802,20 @@ async fn rx_loop(d: Arc<Device>, queue: usize) {
             // leaving it unread until the burst ends (the peer's re-asks of
             // lost responses waited behind whole READs: 5% loss, 16 READs of
             // 1 MiB, a twentieth of the lossless rate).
-            let r = match receive_pass(&d, rx, Taker::Task) {
+            match receive_pass(&d, rx, Taker::Task) {
                 Ok((n, held)) => {
                     // After every batch, not once the socket is empty: a
                     // stream of full batches would hold the ACKs for as long
                     // as it lasts.
                     release_held_acks(&d, held).await;
-                    Ok(n)
-                }
-                Err(e) => Err(e),
-            };
-            match r {
-                Ok(n) if n == RX_BATCH => {}
-                // A short batch emptied the socket. Readiness is cleared
-                // only if no datagram was reported since `readable`
-                // returned (tokio compares the event's tick), so none waits
-                // unseen.
-                Ok(_) => {
-                    ready.clear_ready();
-                    break;
+                    // A short batch emptied the socket. Readiness is cleared
+                    // only if no datagram was reported since `readable`
+                    // returned (tokio compares the event's tick), so none
+                    // waits unseen.
+                    if n < RX_BATCH {
+                        ready.clear_ready();
+                        break;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     ready.clear_ready();
@@ -1973,10 +1966,16 @@ fn receive_pass(
         ));
     }
     let held = pump_touched(d, touched, taker);
+    count_pumped(d, n);
+    Ok((n, held))
+}
+
+/// Count a batch of `n` taken packets once the QPs it touched are pumped:
+/// what [`drain_before_timers`] watches to know a pass saw everything.
+fn count_pumped(d: &Device, n: usize) {
     if n > 0 {
         d.rx_batches_pumped.fetch_add(1, Ordering::SeqCst);
     }
-    Ok((n, held))
 }
 
 /// Pump the QPs a receive batch touched (the receive queue's lock let go).

@@ -21,6 +21,7 @@
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod block;
+mod counters;
 mod doctor;
 mod kv;
 mod oob;

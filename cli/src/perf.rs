@@ -10,6 +10,7 @@ use rdmx_core::{Access, Connection, Error, Incoming, Options, RemoteRegion, Tran
 use serde::Serialize;
 use tokio::net::TcpListener;
 
+use crate::counters::RdmaCounters;
 use crate::raw::{self, RawClient};
 
 /// Message tag: echo this message back.
@@ -246,6 +247,11 @@ pub(crate) struct PerfResult {
     pub(crate) lat_ratio: Option<f64>,
     /// rdmx bandwidth / baseline bandwidth (higher is better).
     pub(crate) bw_ratio: Option<f64>,
+    /// What the bandwidth run cost in protocol terms over RDMA
+    /// (retransmissions, timer expiries, NAKs...): why a lossy path's
+    /// goodput is what it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) rdma: Option<RdmaCounters>,
 }
 
 pub(crate) fn transports() -> Transports {
@@ -713,6 +719,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 baseline: None,
                 lat_ratio: None,
                 bw_ratio: None,
+                rdma: None,
             };
             let mut base = Baseline {
                 name: "raw-tcp".into(),
@@ -766,7 +773,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             if p.bw {
                 let dur = Duration::from_millis(a.duration_ms);
                 let window = a.window as usize;
+                let before = conn.stats();
                 let (ops, elapsed) = bandwidth(&conn, op, theirs, size, window, dur).await?;
+                r.rdma = RdmaCounters::between(&conn, &before, &conn.stats());
                 let secs = elapsed.as_secs_f64();
                 r.ops_per_s = Some(ops as f64 / secs);
                 r.mb_per_s = Some(ops as f64 * size as f64 / secs / 1e6);
@@ -830,6 +839,9 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
         f(b.and_then(|b| b.mb_per_s), 1),
         f(r.bw_ratio, 2),
     );
+    if let Some(c) = &r.rdma {
+        println!("#   {c}");
+    }
 }
 
 /// Keep `window` operations in flight for `dur`; returns (completed, elapsed).

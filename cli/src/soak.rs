@@ -21,6 +21,7 @@ use rdmx_transport_rdma::verbs::{Provider as _, ProviderKind};
 use rdmx_transport_rdma::{RdmaTransport, SoftConfig, SoftRoce};
 use serde::Serialize;
 
+use crate::counters::RdmaCounters;
 use crate::perf::{borrow_region, lend_region, parse_size, Budget};
 use sha2::{Digest, Sha256};
 
@@ -85,21 +86,6 @@ pub(crate) struct SoakReport {
     error: Option<String>,
 }
 
-/// Protocol counters of an RDMA run.
-#[derive(Debug, Default, Serialize)]
-pub(crate) struct RdmaCounters {
-    retransmits: u64,
-    retransmit_timeouts: u64,
-    tail_probes: u64,
-    naks: u64,
-    rnr_naks: u64,
-    cnps: u64,
-    ce_marked: u64,
-    /// Datagrams this end's send bursts took from its receive queues (soft
-    /// RoCE: it listens while sending after the peer reported a loss).
-    rx_while_sending: u64,
-}
-
 impl SoakReport {
     fn print(&self, json: bool) {
         if json {
@@ -123,17 +109,7 @@ impl SoakReport {
             self.goodput_mb_per_s
         );
         if let Some(r) = &self.rdma {
-            print!(
-                "; retransmits {} ({} timer expiries, {} tail probes), NAKs {}, RNR NAKs {}, CNPs {}, CE-marked {}, taken while sending {}",
-                r.retransmits,
-                r.retransmit_timeouts,
-                r.tail_probes,
-                r.naks,
-                r.rnr_naks,
-                r.cnps,
-                r.ce_marked,
-                r.rx_while_sending
-            );
+            print!("; {r}");
         }
         println!();
         if let Some(e) = &self.error {
@@ -245,8 +221,8 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), Error> {
             let mut report = client(&conn, total, chunk).await?;
             if let (Some(d), Some(b), Some(r)) = (&dev, before, report.rdma.as_mut()) {
                 let after = d.stats();
-                r.ce_marked = after.ce_marked - b.ce_marked;
-                r.rx_while_sending = after.rx_while_sending - b.rx_while_sending;
+                r.ce_marked = Some(after.ce_marked - b.ce_marked);
+                r.rx_while_sending = Some(after.rx_while_sending - b.rx_while_sending);
             }
             report.print(a.json);
             match report.error {
@@ -309,16 +285,7 @@ async fn client(conn: &Connection, total: u64, chunk: u64) -> Result<SoakReport,
     let res = run_mix(conn, region, total, chunk, &mut p).await;
     let secs = t0.elapsed().as_secs_f64();
     let after = conn.stats();
-    let rdma = (conn.transport() != "tcp").then(|| RdmaCounters {
-        retransmits: after.retransmits - before.retransmits,
-        retransmit_timeouts: after.retransmit_timeouts - before.retransmit_timeouts,
-        tail_probes: after.tail_probes - before.tail_probes,
-        naks: after.naks - before.naks,
-        rnr_naks: after.rnr_naks - before.rnr_naks,
-        cnps: after.cnps - before.cnps,
-        ce_marked: 0,
-        rx_while_sending: 0,
-    });
+    let rdma = RdmaCounters::between(conn, &before, &after);
     Ok(SoakReport {
         transport: conn.transport().to_string(),
         provider: conn.info().provider.clone(),

@@ -50,6 +50,8 @@ fn loopback_json_and_svg() {
             assert!(r.get(key).is_some(), "{key} missing in {r}");
         }
         assert_eq!(r["transport"], "tcp");
+        // Protocol counters are RDMA's (see netns.rs: perf_reports_what_loss_cost).
+        assert!(r.get("rdma").is_none(), "{r}");
         let p50 = r["p50_us"].as_f64().unwrap();
         let p99 = r["p99_us"].as_f64().unwrap();
         assert!(p50 > 0.0 && p99 >= p50, "{r}");

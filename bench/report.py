@@ -232,6 +232,20 @@ def window_goodput(p, op):
     return med(vals) + (len(vals),)
 
 
+def window_counters(p, op):
+    """Medians over the rounds of the protocol counters (retransmits, timer
+    expiries, NAKs) of the `window_goodput` runs; None where the rows carry
+    none (a run before rdmx perf reported them)."""
+    cs = []
+    for r in (1, 2, 3):
+        row = find(rdmx(f"loss_window_{p}_r{r}"), op, 1 << 20)
+        if row and row.get("rdma"):
+            cs.append(row["rdma"])
+    if not cs:
+        return None
+    return tuple(med([c[k] for c in cs])[0] for k in ("retransmits", "retransmit_timeouts", "naks"))
+
+
 def soak(name):
     rows = rdmx(name)
     if not rows:
@@ -349,15 +363,19 @@ if sr[0]:
         w("### A full window: 16 operations of 1 MiB in flight\n")
         w("The same veth and nftables rules; `rdmx perf` keeps 16 writes, then 16 reads, of 1 MiB in flight "
           "(selective repeat), for 2 s each, three rounds interleaved over the loss rates: median MB/s, "
-          "spread = (max − min) / median.\n")
+          "spread = (max − min) / median. The protocol counters are the client's for one 2 s run "
+          "(medians over the rounds): packets resent (READs: ranges asked again), retransmission "
+          "timer expiries, NAKs received.\n")
         w(f"Command: `{cmd('loss_window_10_r1')}`\n")
-        w("| loss | op | MB/s | spread | rounds | × lossless |")
-        w("|---:|---|---:|---:|---:|---:|")
+        w("| loss | op | MB/s | spread | rounds | × lossless | retransmits | timer expiries | NAKs |")
+        w("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for p in (0, 10, 50):
             for op in ("write", "read"):
                 (v, s_, n), (c, _, _) = window_goodput(p, op), window_goodput(0, op)
+                k = window_counters(p, op)
+                ks = " | ".join(f"{x:.0f}" for x in k) if k else "— | — | —"
                 if v:
-                    w(f"| {p / 10:.1f}% | {op} | {f(v, 1)} | {f(s_, 0)}% | {n} | {f(v / c) if c else '—'} |")
+                    w(f"| {p / 10:.1f}% | {op} | {f(v, 1)} | {f(s_, 0)}% | {n} | {f(v / c) if c else '—'} | {ks} |")
         w("")
 
 rpc = rdmx("rpc_bench")

@@ -30,6 +30,12 @@ pub struct Link {
     /// finds it full is dropped, as by a switch buffer or a slow receiver's
     /// ring.
     pub queue_packets: usize,
+    /// Bytes a sender may have waiting on its link before it stops taking
+    /// packets from its QP (0: unlimited, every packet the QP has is queued
+    /// at once). A socket's send buffer: a software device hands the kernel
+    /// what fits and keeps the rest in the QP, where what is more urgent (an
+    /// answer to a READ asked again) can still go ahead of it.
+    pub send_buffer_bytes: usize,
 }
 
 impl Default for Link {
@@ -42,6 +48,7 @@ impl Default for Link {
             dup: 0.0,
             ce: 0.0,
             queue_packets: 0,
+            send_buffer_bytes: 0,
         }
     }
 }
@@ -208,25 +215,58 @@ impl Sim {
         }
     }
 
+    /// The link's behaviour.
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
     /// Change the link's behaviour from now on.
     pub fn set_link(&mut self, link: Link) {
         self.link = link;
     }
 
+    /// When the sender on link `dir` (0: A's) has room for more under
+    /// [`Link::send_buffer_bytes`]: now, or when enough has left the link.
+    fn room_at(&self, dir: usize) -> u64 {
+        let buffer = self.link.send_buffer_bytes;
+        if buffer == 0 {
+            return self.now;
+        }
+        let drain = (buffer as f64 / self.link.bytes_per_ns) as u64;
+        self.free_at[dir].saturating_sub(drain).max(self.now)
+    }
+
     /// Advance to the next event. Returns false when nothing is left to do.
     pub fn step(&mut self) -> bool {
         let now = self.now;
-        while let Some(p) = self.a.poll_transmit(now) {
+        while self.room_at(0) <= now {
+            let Some(p) = self.a.poll_transmit(now) else {
+                break;
+            };
             self.send(true, p);
         }
-        while let Some(p) = self.b.poll_transmit(now) {
+        while self.room_at(1) <= now {
+            let Some(p) = self.b.poll_transmit(now) else {
+                break;
+            };
             self.send(false, p);
         }
         let next_arrival = self.queue.peek().map(|Reverse(e)| e.at);
-        let next = [next_arrival, self.a.poll_timeout(), self.b.poll_timeout()]
+        // A sender stopped by a full send buffer takes more once it drains.
+        let room = [0, 1]
+            .map(|dir| Some(self.room_at(dir)).filter(|&t| t > now))
             .into_iter()
             .flatten()
             .min();
+        let next = [
+            next_arrival,
+            room,
+            self.a.poll_timeout(),
+            self.b.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         let Some(t) = next else {
             return false;
         };

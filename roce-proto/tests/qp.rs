@@ -613,9 +613,32 @@ fn full_window_of_reads(loss: f64, seed: u64) -> (f64, QpStats, NetStats) {
 
 /// The bench's veth in the simulator: the soft device's selective-repeat
 /// window (1024 packets of 1 KiB) and fast timer, 3.2 Gbit/s, 60 µs round
-/// trips, `loss` of the packets lost each way.
+/// trips, `loss` of the packets lost each way. Each side hands the path
+/// one GSO send of 64 KiB at a time and keeps the rest in its QP, as the
+/// device's bursts do (they take the peer's re-asks between their sends).
 fn veth_sim(loss: f64, seed: u64) -> Sim {
-    soft_device_sim_window(loss, 30_000, 0.4, 1024, seed)
+    let mut sim = soft_device_sim_window(loss, 30_000, 0.4, 1024, seed);
+    let link = sim.link();
+    sim.set_link(Link {
+        send_buffer_bytes: 64 << 10,
+        ..link
+    });
+    sim
+}
+
+/// A send buffer keeps the rest of a burst in the QP instead of on the
+/// link, without slowing it: 16 MiB of writes take the same time at the
+/// link's rate with the 64 KiB buffer of [`veth_sim`] as with none (and
+/// land exact).
+#[test]
+fn a_send_buffer_paces_the_sender_without_slowing_it() {
+    let unbounded = writes_at_once(soft_device_sim_window(0.0, 30_000, 0.4, 1024, 5), 16, 5);
+    let buffered = writes_at_once(veth_sim(0.0, 5), 16, 5);
+    assert_eq!(unbounded.link().send_buffer_bytes, 0);
+    assert_eq!(buffered.link().send_buffer_bytes, 64 << 10);
+    let (u, b) = (unbounded.now, buffered.now);
+    assert!(u.abs_diff(b) * 100 < u, "{u} ns unbounded, {b} ns buffered");
+    assert_eq!(buffered.net.lost, 0);
 }
 
 /// Sixteen WRITEs of 1 MiB posted at once (`rdmx perf --op write --window
@@ -641,7 +664,7 @@ fn full_window_of_writes(loss: f64, seed: u64) -> (f64, QpStats, QpStats, NetSta
 /// on arrival ([`write_packets_behind_a_hole_are_placed_on_arrival`]).
 #[test]
 fn selective_repeat_keeps_a_full_window_of_writes_under_loss() {
-    for (loss, min_goodput) in [(0.01, 0.93), (0.05, 0.8)] {
+    for (loss, min_goodput) in [(0.01, 0.96), (0.05, 0.9)] {
         for seed in [1, 2] {
             let (goodput, a, b, net) = full_window_of_writes(loss, seed);
             println!(
@@ -672,9 +695,13 @@ fn selective_repeat_keeps_a_full_window_of_writes_under_loss() {
 /// meanwhile, and it asked again and again for what was on its way (5%
 /// loss: 0.56-0.59 of the lossless goodput, 11-12 thousand re-asks for
 /// 2 thousand losses; through a veth, a twentieth of the lossless rate).
+/// The path takes one 64 KiB send at a time ([`veth_sim`]): queued whole
+/// on an unbounded link, each READ's answers to re-asks waited behind the
+/// next READs' responses, and the simulator asked again six times per loss
+/// and fired the timer, which the soft device does not (0.92x at 1%).
 #[test]
 fn selective_repeat_keeps_a_full_window_of_reads_under_loss() {
-    for (loss, min_goodput) in [(0.01, 0.85), (0.05, 0.75)] {
+    for (loss, min_goodput) in [(0.01, 0.95), (0.05, 0.88)] {
         for seed in [1, 2] {
             let (goodput, a, net) = full_window_of_reads(loss, seed);
             println!(
@@ -682,12 +709,17 @@ fn selective_repeat_keeps_a_full_window_of_reads_under_loss() {
                 net.lost, a.retransmits, a.timeouts
             );
             assert!(goodput >= min_goodput, "goodput {goodput:.2}x lossless");
+            // About one range asked again per loss, none by the timer:
+            // with the answers to re-asks sent ahead of the stream (as the
+            // soft device does), nothing is asked again while its answer is
+            // still queued behind other READs' responses.
             assert!(
-                a.retransmits <= 8 * net.lost,
+                a.retransmits <= 2 * net.lost,
                 "{} asked again for {} lost",
                 a.retransmits,
                 net.lost
             );
+            assert_eq!(a.timeouts, 0);
         }
     }
 }

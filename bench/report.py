@@ -221,26 +221,24 @@ rdma = rdmx("rdmx_rdma")
 soft_rounds = [x for x in (rdmx(f"rdmx_rdma_lat8_r{r}") for r in (1, 2, 3)) if x]
 
 
+def window_rows(p, op):
+    """The rounds' rows of 1 MiB `op`s, 16 in flight, selective repeat, at `p`
+    permille loss (rounds that produced none are left out)."""
+    rows = (find(rdmx(f"loss_window_{p}_r{r}"), op, 1 << 20) for r in (1, 2, 3))
+    return [row for row in rows if row]
+
+
 def window_goodput(p, op):
-    """(median MB/s, spread %, rounds) of 1 MiB `op`s, 16 in flight, selective
-    repeat, at `p` permille loss."""
-    vals = []
-    for r in (1, 2, 3):
-        row = find(rdmx(f"loss_window_{p}_r{r}"), op, 1 << 20)
-        if row and row.get("mb_per_s"):
-            vals.append(row["mb_per_s"])
+    """(median MB/s, spread %, rounds) of the `window_rows`."""
+    vals = [row["mb_per_s"] for row in window_rows(p, op) if row.get("mb_per_s")]
     return med(vals) + (len(vals),)
 
 
 def window_counters(p, op):
     """Medians over the rounds of the protocol counters (retransmits, timer
-    expiries, NAKs) of the `window_goodput` runs; None where the rows carry
-    none (a run before rdmx perf reported them)."""
-    cs = []
-    for r in (1, 2, 3):
-        row = find(rdmx(f"loss_window_{p}_r{r}"), op, 1 << 20)
-        if row and row.get("rdma"):
-            cs.append(row["rdma"])
+    expiries, NAKs) of the `window_rows`; None where the rows carry none (a run
+    before rdmx perf reported them)."""
+    cs = [row["rdma"] for row in window_rows(p, op) if row.get("rdma")]
     if not cs:
         return None
     return tuple(med([c[k] for c in cs])[0] for k in ("retransmits", "retransmit_timeouts", "naks"))

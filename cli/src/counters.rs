@@ -6,7 +6,7 @@ use rdmx_core::{Connection, StatsSnapshot};
 use serde::Serialize;
 
 /// Protocol counters of an RDMA run.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub(crate) struct RdmaCounters {
     pub(crate) retransmits: u64,
     pub(crate) retransmit_timeouts: u64,

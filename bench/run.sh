@@ -12,10 +12,14 @@ mkdir -p "$OUT"
 rm -f "$OUT"/*
 
 need() { command -v "$1" >/dev/null 2>&1; }
-if ! need ucx_perftest || ! need fi_pingpong || ! need qemu-nbd || ! need nbdkit || ! need fio; then
-  echo "installing ucx-utils, libfabric-bin, qemu-utils, nbdkit and fio" >&2
+# The baselines and the loss rules. A missing one used to drop its rows
+# silently (each section skips itself without its tools): a fresh machine
+# gets them all.
+if ! need ucx_perftest || ! need fi_pingpong || ! need qemu-nbd || ! need nbdkit || ! need fio \
+  || ! need redis-server || ! need redis-benchmark || ! need memcached || ! need nft; then
+  echo "installing ucx-utils, libfabric-bin, qemu-utils, nbdkit, fio, redis, memcached and nftables" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ucx-utils libfabric-bin \
-    qemu-utils nbdkit fio >/dev/null
+    qemu-utils nbdkit fio redis-server redis-tools memcached nftables >/dev/null
 fi
 
 cargo build --release -q -p rdmx-cli

@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 OUT=bench/out
 mkdir -p "$OUT"
 rm -f "$OUT"/*
+# What was measured, and when: the report names this commit and time, not
+# the checkout's or clock's when it is regenerated from $OUT.
+printf '%s\n%s\n' "$(git rev-parse --short HEAD)" "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$OUT/run.info"
 
 need() { command -v "$1" >/dev/null 2>&1; }
 # The baselines and the loss rules. A missing one used to drop its rows

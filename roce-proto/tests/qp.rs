@@ -2631,3 +2631,58 @@ fn a_duplicate_read_past_the_address_space_is_dropped() {
         );
     }
 }
+
+/// Multi-packet SENDs of sizes that go up and down arrive exact: each starts
+/// with the room the last one needed (`last_send_len`), so the room is at
+/// times too big and at times too small; a message longer than its receive
+/// is a length error there, however much room the one before it needed.
+#[test]
+fn sends_of_changing_sizes_arrive_exact_and_an_overlong_one_is_refused() {
+    let cfg = QpConfig::default();
+    let pmtu = cfg.pmtu as usize;
+    let mut sim = Sim::new(cfg.clone(), cfg, Link::default(), 11);
+    let sizes = [10 * pmtu, 2 * pmtu + 1, 1, 3 * pmtu, 10 * pmtu + 7, pmtu];
+    for (i, &len) in sizes.iter().enumerate() {
+        sim.b.post_recv(100 + i as u64, 10 * pmtu + 7).unwrap();
+        sim.a
+            .post_send(
+                i as u64,
+                WorkRequest::Send {
+                    data: Bytes::from(pattern(i as u64, len)),
+                    imm: None,
+                    invalidate: None,
+                },
+            )
+            .unwrap();
+    }
+    let n = sizes.len();
+    assert!(sim.run_until(100_000_000, |s| s.done_a.len() == n && s.done_b.len() == n));
+    for (i, &len) in sizes.iter().enumerate() {
+        let got = &sim.done_b[i];
+        assert_eq!((got.wr_id, got.status), (100 + i as u64, WcStatus::Success));
+        assert_eq!(got.byte_len, len as u64);
+        assert_eq!(&got.data[..], &pattern(i as u64, len)[..], "message {i}");
+        assert_eq!(sim.done_a[i].status, WcStatus::Success);
+    }
+    // After a 10-PMTU message, one of 3 PMTUs into a 2-PMTU receive.
+    sim.b.post_recv(200, 2 * pmtu).unwrap();
+    sim.a
+        .post_send(
+            50,
+            WorkRequest::Send {
+                data: Bytes::from(pattern(50, 3 * pmtu)),
+                imm: None,
+                invalidate: None,
+            },
+        )
+        .unwrap();
+    assert!(sim.run_until(200_000_000, |s| s.done_b.len() > n && s.done_a.len() > n));
+    assert_eq!(
+        (sim.done_b[n].wr_id, sim.done_b[n].status),
+        (200, WcStatus::LocalLengthError)
+    );
+    assert_eq!(
+        (sim.done_a[n].wr_id, sim.done_a[n].status),
+        (50, WcStatus::RemoteInvalidRequest)
+    );
+}

@@ -526,6 +526,10 @@ pub struct Qp {
     msn: u32,
     rq: VecDeque<RecvWqe>,
     open: Option<OpenMessage>,
+    /// Length of the last multi-packet SEND delivered: a new one starts
+    /// with that much room (a stream of like-sized messages then copies
+    /// each byte once, instead of again at every doubling of its buffer).
+    last_send_len: usize,
     nak_sent: bool,
     /// Selective repeat: packets kept out of order since the last NAK.
     since_nak: u32,
@@ -655,6 +659,7 @@ impl Qp {
             msn: 0,
             rq: VecDeque::new(),
             open: None,
+            last_send_len: 0,
             nak_sent: false,
             since_nak: 0,
             delivered: false,

@@ -222,10 +222,15 @@ impl Qp {
             let Some(wqe) = self.rq.pop_front() else {
                 return self.send_rnr_nak(pkt.bth.psn);
             };
-            self.open = Some(OpenMessage::Send {
-                wqe,
-                buf: BytesMut::new(),
-            });
+            // A SEND_ONLY's one packet is all of it; a longer message gets
+            // the room the last one needed, never more than the receive
+            // can take (a peer cannot make this end reserve past that).
+            let room = match op {
+                Opcode::SEND_FIRST => self.last_send_len.max(2 * pkt.payload.len()),
+                _ => pkt.payload.len(),
+            };
+            let buf = BytesMut::with_capacity(room.min(wqe.max_len));
+            self.open = Some(OpenMessage::Send { wqe, buf });
         }
         let Some(OpenMessage::Send { wqe, buf }) = &mut self.open else {
             unreachable!("checked above")
@@ -245,6 +250,12 @@ impl Qp {
             let Some(OpenMessage::Send { wqe, buf }) = self.open.take() else {
                 unreachable!("checked above")
             };
+            if op != Opcode::SEND_ONLY
+                && op != Opcode::SEND_ONLY_WITH_IMMEDIATE
+                && op != Opcode::SEND_ONLY_WITH_INVALIDATE
+            {
+                self.last_send_len = buf.len();
+            }
             let mut c = Completion::new(wqe.wr_id, WcStatus::Success, WcOpcode::Recv);
             c.byte_len = buf.len() as u64;
             c.data = buf.freeze();

@@ -1547,21 +1547,32 @@ impl SoftQp {
         if now == *last {
             return;
         }
-        let d = |a: u64, b: u64| a.saturating_sub(b);
-        stats.add(|s| &s.retransmits, d(now.retransmits, last.retransmits));
-        stats.add(|s| &s.naks, d(now.naks_received, last.naks_received));
-        stats.add(|s| &s.retransmit_timeouts, d(now.timeouts, last.timeouts));
-        stats.add(|s| &s.tail_probes, d(now.tail_probes, last.tail_probes));
-        stats.add(
-            |s| &s.rnr_naks,
-            d(now.rnr_naks_received, last.rnr_naks_received),
-        );
-        stats.add(|s| &s.cnps, d(now.cnps_received, last.cnps_received));
-        stats.add(|s| &s.remote_ops_served, d(now.remote_ops, last.remote_ops));
-        stats.add(
-            |s| &s.remote_access_denied,
-            d(now.remote_denied, last.remote_denied),
-        );
+        // Only the counters that moved are added to: usually just one
+        // (`remote_ops_served`), and each add is an atomic read-modify-write
+        // on this connection's counters and on the global ones.
+        let moved: [(fn(&Stats) -> &AtomicU64, u64, u64); 8] = [
+            (|s| &s.retransmits, now.retransmits, last.retransmits),
+            (|s| &s.naks, now.naks_received, last.naks_received),
+            (|s| &s.retransmit_timeouts, now.timeouts, last.timeouts),
+            (|s| &s.tail_probes, now.tail_probes, last.tail_probes),
+            (
+                |s| &s.rnr_naks,
+                now.rnr_naks_received,
+                last.rnr_naks_received,
+            ),
+            (|s| &s.cnps, now.cnps_received, last.cnps_received),
+            (|s| &s.remote_ops_served, now.remote_ops, last.remote_ops),
+            (
+                |s| &s.remote_access_denied,
+                now.remote_denied,
+                last.remote_denied,
+            ),
+        ];
+        for (pick, now, last) in moved {
+            if now > last {
+                stats.add(pick, now - last);
+            }
+        }
         *last = now;
     }
 

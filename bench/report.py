@@ -518,11 +518,24 @@ if tag_bw:
                    f"(medians of {len(stream_runs)})",
                    f"{f(mine / ucx_tag)} × ({f(mine, 1)} ±{f(spread, 0)}% vs {f(ucx_tag, 1)} "
                    f"±{f(ucx_spread, 0)}% MB/s)", mine >= ucx_tag)
+# Medians of the interleaved 1 MiB rounds where the run has them (a single
+# run's raw TCP p50 moves between 180 and 550 µs on this VM), else the sweep.
+rounds_1m = [x for x in (rdmx(f"rdmx_lat1m_r{r}") for r in (1, 2, 3)) if x]
 for op in ("write", "read"):
-    r = find(irq, op, 1048576)
-    if r and r.get("lat_ratio"):
-        target(f"1 MiB single {op} p50 ≤ 1.3 × raw TCP", f"{f(r['lat_ratio'])} × "
-               f"({f(r['p50_us'])} vs {f((r.get('baseline') or {}).get('p50_us'))} µs)", r["lat_ratio"] <= 1.3)
+    if rounds_1m:
+        ratio, spread = ratio_med(rounds_1m, op, 1 << 20)
+        pts = [find(x, op, 1 << 20) for x in rounds_1m]
+        p50 = med([p["p50_us"] for p in pts if p])[0]
+        raw = med([(p.get("baseline") or {}).get("p50_us") for p in pts if p])[0]
+        measured = (f"{f(ratio)} × (median of {len(rounds_1m)}, ±{f(spread, 0)}%; "
+                    f"p50 {f(p50)} vs {f(raw)} µs)")
+    else:
+        r = find(irq, op, 1 << 20) or {}
+        ratio = r.get("lat_ratio")
+        measured = (f"{f(ratio)} × ({f(r.get('p50_us'))} vs "
+                    f"{f((r.get('baseline') or {}).get('p50_us'))} µs)")
+    if ratio is not None:
+        target(f"1 MiB single {op} p50 ≤ 1.3 × raw TCP", measured, ratio <= 1.3)
 soft_8 = []
 for op in ("send", "write", "read", "cas", "faa"):
     if soft_rounds:
@@ -582,6 +595,9 @@ if rpc and load:
                    f"worst {f(worst[2])} × ({worst[0]} B, {worst[1]} in flight); best "
                    f"{f(max(r[2] for r in ratios))} ×", worst[2] >= want)
 w("")
+if rounds_1m:
+    w(f"The 1 MiB single-operation targets are medians of the per-round ratios to raw TCP over "
+      f"interleaved rounds of `{cmd('rdmx_lat1m_r1')}`.\n")
 w("![latency and bandwidth against size](bench/perf-tcp.svg)\n")
 w("`bench/perf-tcp.svg` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg bench/perf-tcp.svg` in the same run.\n")
 

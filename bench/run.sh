@@ -52,7 +52,7 @@ run rdmx_irq $RDMX perf --loopback --baseline raw-tcp --json --duration-ms $DUR 
 echo "rdmx perf (busy-poll mode, 8 B)" >&2
 run rdmx_poll $RDMX perf --loopback --baseline raw-tcp --json --busy-poll-us 100 --mode lat \
   --iters $((ITERS * 4)) --op send,write,read,cas,faa --sizes 8
-echo "rdmx perf 8 B round trips against raw TCP (tcp interrupt and busy-poll, soft RoCE), three rounds interleaved (one when quick)" >&2
+echo "rdmx perf 8 B round trips against raw TCP (tcp interrupt and busy-poll, soft RoCE) and 1 MiB ones (tcp), three rounds interleaved (one when quick)" >&2
 for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
   run rdmx_lat8_irq_r$r $RDMX perf --loopback --baseline raw-tcp --json --mode lat --iters $((ITERS * 2)) \
     --op send,write,read --sizes 8
@@ -60,6 +60,8 @@ for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
     --iters $((ITERS * 2)) --op send,write,read --sizes 8
   run rdmx_rdma_lat8_r$r $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --mode lat \
     --iters $((ITERS * 2)) --op send,write,read,cas,faa --sizes 8
+  run rdmx_lat1m_r$r $RDMX perf --loopback --baseline raw-tcp --json --mode lat --iters $ITERS \
+    --op write,read --sizes 1m
 done
 echo "rdmx perf over soft RoCE (rdma transport)" >&2
 run rdmx_rdma $RDMX perf --loopback --transport rdma --baseline raw-tcp --json --duration-ms $DUR \

@@ -2640,7 +2640,7 @@ fn a_duplicate_read_past_the_address_space_is_dropped() {
 fn sends_of_changing_sizes_arrive_exact_and_an_overlong_one_is_refused() {
     let cfg = QpConfig::default();
     let pmtu = cfg.pmtu as usize;
-    let mut sim = Sim::new(cfg.clone(), cfg, Link::default(), 11);
+    let mut sim = Sim::new(cfg, cfg, Link::default(), 11);
     let sizes = [10 * pmtu, 2 * pmtu + 1, 1, 3 * pmtu, 10 * pmtu + 7, pmtu];
     for (i, &len) in sizes.iter().enumerate() {
         sim.b.post_recv(100 + i as u64, 10 * pmtu + 7).unwrap();

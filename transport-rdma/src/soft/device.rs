@@ -1550,7 +1550,8 @@ impl SoftQp {
         // Only the counters that moved are added to: usually just one
         // (`remote_ops_served`), and each add is an atomic read-modify-write
         // on this connection's counters and on the global ones.
-        let moved: [(fn(&Stats) -> &AtomicU64, u64, u64); 8] = [
+        type Pick = fn(&Stats) -> &AtomicU64;
+        let moved: [(Pick, u64, u64); 8] = [
             (|s| &s.retransmits, now.retransmits, last.retransmits),
             (|s| &s.naks, now.naks_received, last.naks_received),
             (|s| &s.retransmit_timeouts, now.timeouts, last.timeouts),

@@ -90,6 +90,12 @@ def find(rows, op, size):
     return None
 
 
+def p50_meds(rounds, op, size=8):
+    """(median, spread %) of `op`'s p50 and of raw TCP's over interleaved rounds."""
+    pts = [p for p in (find(x, op, size) for x in rounds) if p]
+    return med([p["p50_us"] for p in pts]), med([(p.get("baseline") or {}).get("p50_us") for p in pts])
+
+
 def ratio_med(rounds, op, size=8):
     """(median, spread %) of `op`'s latency ratio to raw TCP over interleaved rounds."""
     return med([(find(x, op, size) or {}).get("lat_ratio") for x in rounds])
@@ -290,9 +296,7 @@ if soft_rounds:
     w("| op | p50 µs | raw TCP p50 µs | latency × raw |")
     w("|---|---:|---:|---:|")
     for op in ("send", "write", "read", "cas", "faa"):
-        pts = [find(x, op, 8) for x in soft_rounds]
-        p50 = med([p["p50_us"] for p in pts if p])
-        raw = med([(p.get("baseline") or {}).get("p50_us") for p in pts if p])
+        p50, raw = p50_meds(soft_rounds, op)
         ratio = ratio_med(soft_rounds, op)
         w(f"| {op} | {f(p50[0])} ±{f(p50[1], 0)}% | {f(raw[0])} ±{f(raw[1], 0)}% | "
           f"{f(ratio[0])} ±{f(ratio[1], 0)}% |")
@@ -524,9 +528,7 @@ rounds_1m = [x for x in (rdmx(f"rdmx_lat1m_r{r}") for r in (1, 2, 3)) if x]
 for op in ("write", "read"):
     if rounds_1m:
         ratio, spread = ratio_med(rounds_1m, op, 1 << 20)
-        pts = [find(x, op, 1 << 20) for x in rounds_1m]
-        p50 = med([p["p50_us"] for p in pts if p])[0]
-        raw = med([(p.get("baseline") or {}).get("p50_us") for p in pts if p])[0]
+        (p50, _), (raw, _) = p50_meds(rounds_1m, op, 1 << 20)
         measured = (f"{f(ratio)} × (median of {len(rounds_1m)}, ±{f(spread, 0)}%; "
                     f"p50 {f(p50)} vs {f(raw)} µs)")
     else:

@@ -250,10 +250,8 @@ impl Qp {
             let Some(OpenMessage::Send { wqe, buf }) = self.open.take() else {
                 unreachable!("checked above")
             };
-            if op != Opcode::SEND_ONLY
-                && op != Opcode::SEND_ONLY_WITH_IMMEDIATE
-                && op != Opcode::SEND_ONLY_WITH_INVALIDATE
-            {
+            // A LAST: the message took several packets.
+            if !starts {
                 self.last_send_len = buf.len();
             }
             let mut c = Completion::new(wqe.wr_id, WcStatus::Success, WcOpcode::Recv);

@@ -810,6 +810,14 @@ impl Shared {
                 if !self.handle(h, payload).await? {
                     return Ok(());
                 }
+                // Let the receiver take this payload (and give its buffer
+                // back to the pool) before the next one arrives: a reader
+                // that runs ahead fills a fresh pooled buffer per message,
+                // up to the receive window, and copies into memory that has
+                // left the CPU cache. 1 MiB sends, 16 in flight, two
+                // processes of one thread: 4.7 GB/s and 87 MB resident
+                // without this yield, 6.8-7.3 GB/s and 17 MB with it.
+                tokio::task::yield_now().await;
                 continue;
             }
             if buf.len() < total {

@@ -43,7 +43,7 @@ if [ -z "${RDMX_BENCH_NETNS:-}" ] && [ "$(id -u)" = 0 ] && need ip; then
   ip netns add $NS
   rc=0
   if ip -n $NS link set lo up && ip netns exec $NS sysctl -qw net.ipv4.tcp_congestion_control="$BENCH_CC"; then
-    RDMX_BENCH_NETNS=$NS ip netns exec $NS bash "$0" "$@" || rc=$?
+    RDMX_BENCH_NETNS=$NS ip netns exec $NS bash "$PWD/bench/run.sh" "$@" || rc=$?
   else
     echo "bench: could not set up network namespace $NS with $BENCH_CC" >&2
     rc=1

@@ -41,6 +41,8 @@ BENCH_CC=${BENCH_CC:-cubic}
 if [ -z "${RDMX_BENCH_NETNS:-}" ] && [ "$(id -u)" = 0 ] && need ip; then
   NS=rdmxbench$$
   ip netns add $NS
+  # Deleted however the run ends (an interrupt included), not only after it.
+  trap 'ip netns del $NS 2>/dev/null || true' EXIT
   rc=0
   if ip -n $NS link set lo up && ip netns exec $NS sysctl -qw net.ipv4.tcp_congestion_control="$BENCH_CC"; then
     RDMX_BENCH_NETNS=$NS ip netns exec $NS bash "$PWD/bench/run.sh" "$@" || rc=$?
@@ -48,7 +50,6 @@ if [ -z "${RDMX_BENCH_NETNS:-}" ] && [ "$(id -u)" = 0 ] && need ip; then
     echo "bench: could not set up network namespace $NS with $BENCH_CC" >&2
     rc=1
   fi
-  ip netns del $NS
   exit $rc
 fi
 CC=$(sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null || echo unknown)

@@ -20,9 +20,11 @@ pub mod qp;
 pub mod sim;
 pub mod wire;
 
-pub use memory::{Atomic, MemError, Memory, Need, VecMemory};
+pub use memory::{Atomic, MemError, Memory, Need, PayloadSource, VecMemory};
 pub use opcode::{Opcode, Transport};
-pub use packet::{Aeth, AtomicEth, Bth, DecodeError, Deth, NakCode, Packet, Reth, Syndrome};
+pub use packet::{
+    Aeth, AtomicEth, Bth, DecodeError, Deferred, Deth, NakCode, Packet, Reth, Syndrome,
+};
 pub use qp::{
     Completion, Qp, QpConfig, QpError, QpState, QpStats, ReadBuffers, Timeouts, WcOpcode, WcStatus,
     WorkRequest, ACK_HOLD_MAX_PACKETS,

@@ -1,6 +1,11 @@
 //! The responder's view of registered memory: a small trait, so the engine
 //! stays sans-IO and tests use plain `Vec`-backed regions.
 
+use std::any::Any;
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 /// Access a remote operation needs.
@@ -48,6 +53,22 @@ pub enum Atomic {
     },
 }
 
+/// Bytes of registered memory that a packet carries by reference
+/// ([`crate::Packet::deferred`]), read when the packet is sent.
+pub trait PayloadSource: Send + Sync + fmt::Debug {
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when zero-length.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The bytes of `range` (within `0..len()`), copied as they are now.
+    fn copy(&self, range: Range<usize>) -> Bytes;
+    /// The concrete source, for a transmitter that reads its own kind in
+    /// place instead of copying.
+    fn as_any(&self) -> &dyn Any;
+}
+
 /// Registered memory as the responder reaches it.
 pub trait Memory {
     /// Check that `[va, va + len)` under `rkey` allows `need` (no data moves).
@@ -56,6 +77,19 @@ pub trait Memory {
     fn write(&mut self, rkey: u32, va: u64, data: &[u8]) -> Result<(), MemError>;
     /// Load `len` bytes at `va`.
     fn read(&self, rkey: u32, va: u64, len: u64) -> Result<Bytes, MemError>;
+    /// The `len` bytes at `va` as a source the transmitter reads when each
+    /// response leaves (a NIC's DMA reads a READ's data as it sends it,
+    /// not when the request arrives), or `None` to have [`Memory::read`]
+    /// copy them now (the default).
+    fn read_source(
+        &self,
+        rkey: u32,
+        va: u64,
+        len: u64,
+    ) -> Result<Option<Arc<dyn PayloadSource>>, MemError> {
+        let _ = (rkey, va, len);
+        Ok(None)
+    }
     /// Run an atomic on the 8-byte word at `va`; returns the original value.
     fn atomic(&mut self, rkey: u32, va: u64, op: Atomic) -> Result<u64, MemError>;
 }

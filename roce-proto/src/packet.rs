@@ -4,8 +4,12 @@
 //! Decoding keeps every bit as received (reserved fields, pad bytes), so a
 //! decoded packet encodes back to the same bytes.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use bytes::{BufMut, Bytes};
 
+use crate::memory::PayloadSource;
 use crate::opcode::Opcode;
 
 /// BTH length.
@@ -213,6 +217,25 @@ pub struct AtomicEth {
     pub compare: u64,
 }
 
+/// A payload that stays in registered memory until its packet is sent: a
+/// range of a [`PayloadSource`] (several packets of one READ response share
+/// the source).
+#[derive(Clone, Debug)]
+pub struct Deferred {
+    /// The memory.
+    pub source: Arc<dyn PayloadSource>,
+    /// This packet's bytes of it.
+    pub range: Range<usize>,
+}
+
+impl PartialEq for Deferred {
+    fn eq(&self, other: &Deferred) -> bool {
+        Arc::ptr_eq(&self.source, &other.source) && self.range == other.range
+    }
+}
+
+impl Eq for Deferred {}
+
 /// A decoded transport packet (BTH through pad; the ICRC is handled by [`crate::icrc`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Packet {
@@ -236,6 +259,10 @@ pub struct Packet {
     pub cnp_reserved: Option<[u8; 16]>,
     /// Payload (without pad).
     pub payload: Bytes,
+    /// A payload still in memory, read when the packet is sent (a READ
+    /// response's data, when [`crate::Memory::read_source`] gives one);
+    /// `payload` is then empty. Decoded packets never have one.
+    pub deferred: Option<Deferred>,
     /// Pad bytes as received (`bth.pad_count` of them; zero when we send).
     pub pad: [u8; 3],
 }
@@ -291,7 +318,23 @@ impl Packet {
             ieth: None,
             cnp_reserved: None,
             payload: Bytes::new(),
+            deferred: None,
             pad: [0; 3],
+        }
+    }
+
+    /// Length of the payload, deferred or not (without pad).
+    pub fn payload_len(&self) -> usize {
+        self.deferred
+            .as_ref()
+            .map_or(self.payload.len(), |d| d.range.len())
+    }
+
+    /// Read a deferred payload now into [`Packet::payload`] (for a consumer
+    /// that needs the bytes in the packet: a capture, a simulator).
+    pub fn materialize(&mut self) {
+        if let Some(d) = self.deferred.take() {
+            self.payload = d.source.copy(d.range);
         }
     }
 
@@ -404,7 +447,10 @@ impl Packet {
     /// written as stored; use [`Packet::finish`] to set it from the payload.
     pub fn encode(&self, out: &mut Vec<u8>) {
         self.encode_headers(out);
-        out.put_slice(&self.payload);
+        match &self.deferred {
+            Some(d) => out.put_slice(&d.source.copy(d.range.clone())),
+            None => out.put_slice(&self.payload),
+        }
         out.put_slice(self.pad_bytes());
     }
 
@@ -453,7 +499,7 @@ impl Packet {
 
     /// Set `pad_count` for the payload (rocev2-reference §8: `(−len) & 3`) with zero pad.
     pub fn finish(&mut self) {
-        self.bth.pad_count = (self.payload.len().wrapping_neg() & 3) as u8;
+        self.bth.pad_count = (self.payload_len().wrapping_neg() & 3) as u8;
         self.pad = [0; 3];
     }
 
@@ -461,7 +507,7 @@ impl Packet {
     pub fn encoded_len(&self) -> usize {
         BTH_LEN
             + self.bth.opcode.layout().map_or(0, |l| l.ext_len())
-            + self.payload.len()
+            + self.payload_len()
             + self.bth.pad_count as usize
     }
 }

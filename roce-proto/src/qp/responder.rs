@@ -3,6 +3,7 @@
 //! duplicate handling (rxe's resp.c, IBTA 9.7.4 and 9.9).
 
 use super::*;
+use crate::packet::Deferred;
 use std::collections::HashSet;
 
 impl Qp {
@@ -424,17 +425,21 @@ impl Qp {
         let pmtu = u64::from(self.cfg.pmtu);
         let len = u64::from(reth.dma_len);
         let npkts = len.div_ceil(pmtu).max(1) as u32;
-        // One load of the whole range (one lookup and one copy, not one per
-        // packet); each response carries its slice of it.
-        let all = if len == 0 {
-            Bytes::new()
+        // One lookup of the whole range, not one per packet: a source the
+        // transmitter reads each response's slice from as it leaves (no
+        // copy here), or else one load that each response slices.
+        let (source, all) = if len == 0 {
+            (None, Bytes::new())
         } else {
-            mem.read(reth.rkey, reth.va, len)?
+            match mem.read_source(reth.rkey, reth.va, len)? {
+                Some(src) => (Some(src), Bytes::new()),
+                None => (None, mem.read(reth.rkey, reth.va, len)?),
+            }
         };
         for i in 0..npkts {
             let off = u64::from(i) * pmtu;
             let n = pmtu.min(len - off.min(len));
-            let data = all.slice(off as usize..(off + n) as usize);
+            let range = off as usize..(off + n) as usize;
             let opcode = match (i == 0, i + 1 == npkts) {
                 (true, true) => Opcode::RDMA_READ_RESPONSE_ONLY,
                 (true, false) => Opcode::RDMA_READ_RESPONSE_FIRST,
@@ -448,7 +453,15 @@ impl Qp {
                     msn: self.msn & psn::PSN_MASK,
                 });
             }
-            p.payload = data;
+            match &source {
+                Some(src) => {
+                    p.deferred = Some(Deferred {
+                        source: src.clone(),
+                        range,
+                    })
+                }
+                None => p.payload = all.slice(range),
+            }
             p.finish();
             self.resp_tx.push_back(p);
         }

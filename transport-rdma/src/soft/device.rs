@@ -32,10 +32,10 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit, UdpSocketState};
 use rdmx_core::Stats;
-use rdmx_core::{Access, AtomicOp, Domain, Error, MemoryRegion, Result};
+use rdmx_core::{Access, AtomicOp, Domain, Error, LocalSlice, MemoryRegion, Result};
 use rdmx_roce_proto::dcqcn::DcqcnConfig;
 use rdmx_roce_proto::icrc::{self, Ipv4IdSolver};
-use rdmx_roce_proto::memory::{Atomic, MemError, Memory, Need};
+use rdmx_roce_proto::memory::{Atomic, MemError, Memory, Need, PayloadSource};
 use rdmx_roce_proto::pcap::CaptureWriter;
 use rdmx_roce_proto::{
     Completion, FramePath, Packet, Qp, QpConfig, QpStats, RoceFrame, Timeouts, WorkRequest,
@@ -46,7 +46,7 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::cq::SoftCq;
-use super::gather::{self, Gathered};
+use super::gather::{self, Batch, Gathered, Payload};
 use crate::verbs::{
     CompletionQueue, PortInfo, ProtectionDomain, Provider, ProviderKind, QpCounters, QpOptions,
     QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -676,6 +676,7 @@ impl ProtectionDomain for SoftPd {
                 out: Vec::new(),
                 segs: Vec::new(),
                 grams: Vec::new(),
+                unsealed: Vec::new(),
                 losses_seen: 0,
                 listen_until: 0,
                 guards: GuardPace::default(),
@@ -727,6 +728,9 @@ struct Inner {
     segs: Vec<usize>,
     /// The batch's datagrams, as pieces of `out` and their payloads.
     grams: Vec<Gathered>,
+    /// Datagrams of the batch (index in `grams`, IP Identification) whose
+    /// payload is in a region: their ICRC is computed when they are sent.
+    unsealed: Vec<(usize, u16)>,
     /// NAKs the engine had received, plus duplicates it had seen, when last
     /// published: a change means packets were lost on the path (the peer
     /// saw ours lost, or asked again for what we sent). Our own timers can
@@ -852,6 +856,18 @@ impl Memory for DomainMemory<'_> {
         self.0.remote_read(rkey, va, len, 0, len).map_err(mem_err)
     }
 
+    fn read_source(
+        &self,
+        rkey: u32,
+        va: u64,
+        len: u64,
+    ) -> Result<Option<Arc<dyn PayloadSource>>, MemError> {
+        let slice = self
+            .0
+            .remote_read_source(rkey, va, len, 0, len)
+            .map_err(mem_err)?;
+        Ok(Some(Arc::new(RegionSource(slice))))
+    }
     fn atomic(&mut self, rkey: u32, va: u64, op: Atomic) -> Result<u64, MemError> {
         let op = match op {
             Atomic::CompareSwap { compare, swap } => AtomicOp::CompareAndSwap {
@@ -861,6 +877,26 @@ impl Memory for DomainMemory<'_> {
             Atomic::FetchAdd { add } => AtomicOp::FetchAndAdd { add },
         };
         self.0.remote_atomic(rkey, va, op).map_err(mem_err)
+    }
+}
+
+/// A READ's data left in its region: the transmitter sends each response's
+/// slice from the region itself ([`Payload::Region`]), with no copy before
+/// the kernel's.
+#[derive(Debug)]
+struct RegionSource(LocalSlice);
+
+impl PayloadSource for RegionSource {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
+        Bytes::copy_from_slice(&self.0.lock()[range])
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -1005,6 +1041,29 @@ fn reseal_icrc(d: &mut [u8], src: SocketAddr, dst: SocketAddr, id: u16) {
     let (ip, udp) = headers(src, dst, 8 + d.len(), id);
     let crc = icrc::compute(&ip, &udp, &d[..n]);
     d[n..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Write the ICRCs of the batch's region payloads (`unsealed`: index in
+/// `grams` and IP Identification), read under `held`, into their trailers
+/// in `out` (rocev2-reference §2: the ICRC covers the masked IP and UDP
+/// headers, BTH … pad).
+fn seal_regions(
+    out: &mut [u8],
+    grams: &[Gathered],
+    held: &[gather::Held<'_>],
+    unsealed: &[(usize, u16)],
+    src: SocketAddr,
+    dst: SocketAddr,
+    segs: &[usize],
+) {
+    for &(k, id) in unsealed {
+        let g = &grams[k];
+        let (ip, udp) = headers(src, dst, 8 + segs[k], id);
+        let t = g.at + g.headers;
+        let pad = &out[t..t + g.trailer - 4];
+        let crc = icrc::compute_parts(&ip, &udp, &[&out[g.at..t], g.payload(&held[k]), pad]);
+        out[t + g.trailer - 4..t + g.trailer].copy_from_slice(&crc.to_le_bytes());
+    }
 }
 
 /// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`, its ICRC
@@ -1239,6 +1298,7 @@ impl SoftQp {
         inner.out.clear();
         inner.segs.clear();
         inner.grams.clear();
+        inner.unsealed.clear();
         let mut batch = 0;
         let mut run = GsoRun::default();
         loop {
@@ -1250,17 +1310,33 @@ impl SoftQp {
                 p.encode_headers(&mut inner.out);
                 let hlen = inner.out.len() - at;
                 let pad = p.pad_bytes();
-                let size = hlen + p.payload.len() + pad.len() + 4;
+                let size = hlen + p.payload_len() + pad.len() + 4;
                 // The Identification the kernel will give this datagram.
                 let id = run.next_id(size);
-                let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
-                let crc = icrc::compute_parts(&ip, &udp, &[&inner.out[at..], &p.payload, pad]);
-                inner.out.extend_from_slice(pad);
-                inner.out.extend_from_slice(&crc.to_le_bytes());
+                let payload = match &p.deferred {
+                    // A READ response's data stays in its region: read,
+                    // and its ICRC computed, while the send runs
+                    // ([`seal_regions`]).
+                    Some(d) => match d.source.as_any().downcast_ref::<RegionSource>() {
+                        Some(r) => Payload::Region(r.0.clone(), d.range.clone()),
+                        None => Payload::Bytes(d.source.copy(d.range.clone())),
+                    },
+                    None => Payload::Bytes(p.payload.clone()),
+                };
+                if let Payload::Bytes(b) = &payload {
+                    let (ip, udp) = headers(tx.local, peer.addr, 8 + size, id);
+                    let crc = icrc::compute_parts(&ip, &udp, &[&inner.out[at..], b, pad]);
+                    inner.out.extend_from_slice(pad);
+                    inner.out.extend_from_slice(&crc.to_le_bytes());
+                } else {
+                    inner.out.extend_from_slice(pad);
+                    inner.out.extend_from_slice(&[0; 4]);
+                    inner.unsealed.push((inner.grams.len(), id));
+                }
                 inner.grams.push(Gathered {
                     at,
                     headers: hlen,
-                    payload: p.payload.clone(),
+                    payload,
                     trailer: pad.len() + 4,
                 });
                 inner.segs.push(size);
@@ -1278,6 +1354,7 @@ impl SoftQp {
                 inner.out.clear();
                 inner.segs.clear();
                 inner.grams.clear();
+                inner.unsealed.clear();
                 batch = 0;
                 run = GsoRun::default();
                 if pkt.is_some() && now < inner.listen_until {
@@ -1351,20 +1428,69 @@ impl SoftQp {
     /// dropped for being gathered.
     fn send_batch(self: &Arc<Self>, tx: &Arc<Tx>, dst: SocketAddr, inner: &mut Inner) -> bool {
         let segs = std::mem::take(&mut inner.segs);
-        let mut i = self.send_runs_at_once(tx, dst, inner, &segs);
+        let all = std::mem::take(&mut inner.grams);
+        // Region payloads are read under their locks from here until they
+        // have left (or been copied to the backlog), and their ICRCs
+        // computed over exactly what leaves.
+        let held = gather::lock_all(&all);
+        seal_regions(
+            &mut inner.out,
+            &all,
+            &held,
+            &inner.unsealed,
+            tx.local,
+            dst,
+            &segs,
+        );
+        inner.unsealed.clear();
+        let sent_all = self.send_held(tx, dst, inner, &segs, &all, &held);
+        drop(held);
+        inner.grams = all;
+        inner.segs = segs;
+        if !sent_all {
+            self.spawn_flusher(inner);
+        }
+        sent_all
+    }
+
+    /// [`SoftQp::send_batch`] with the payloads readable (`held`); false
+    /// when the socket buffer filled (what did not leave is in the backlog).
+    fn send_held(
+        &self,
+        tx: &Arc<Tx>,
+        dst: SocketAddr,
+        inner: &mut Inner,
+        segs: &[usize],
+        all: &[Gathered],
+        held: &[gather::Held<'_>],
+    ) -> bool {
+        let mut i = self.send_runs_at_once(
+            tx,
+            dst,
+            Batch {
+                scratch: &inner.out,
+                grams: all,
+                held,
+            },
+            segs,
+        );
         while i < segs.len() {
             let size = segs[i];
-            let j = gso_run_end(&segs, i);
+            let j = gso_run_end(segs, i);
             let len: usize = segs[i..j].iter().sum();
             let gso = (j - i > 1).then_some(size);
             let c = &self.dev.counters;
-            let grams = &inner.grams[i..j];
+            let batch = Batch {
+                scratch: &inner.out,
+                grams: &all[i..j],
+                held: &held[i..j],
+            };
             let sent = if tx.gather_refused.load(Ordering::Relaxed) {
-                self.send_flat(tx, dst, &inner.out, grams, len, gso)
+                self.send_flat(tx, dst, batch, len, gso)
             } else {
                 c.tx_calls.fetch_add(1, Ordering::Relaxed);
                 let ecn = self.dev.cfg.ecn;
-                match gather::send(&tx.sock, tx.local, dst, ecn, &inner.out, grams, gso) {
+                match gather::send(&tx.sock, tx.local, dst, ecn, batch, gso) {
                     Err(e) if e.kind() != io::ErrorKind::WouldBlock => {
                         // The form itself refused (bad argument, no offload
                         // on the path), not this send: stop gathering.
@@ -1375,7 +1501,7 @@ impl SoftQp {
                         if form && !tx.gather_refused.swap(true, Ordering::Relaxed) {
                             warn!(%dst, "soft RoCE: gathered send refused ({e}); sending from one buffer from now on");
                         }
-                        self.send_flat(tx, dst, &inner.out, grams, len, gso)
+                        self.send_flat(tx, dst, batch, len, gso)
                     }
                     sent => sent,
                 }
@@ -1392,23 +1518,20 @@ impl SoftQp {
                     // that were not first in their run get their ICRC again.
                     let mut run_start = i;
                     for k in i..segs.len() {
-                        let mut d = inner.grams[k].to_vec(&inner.out);
+                        let mut d = all[k].to_vec(&inner.out, &held[k]);
                         if k > run_start {
                             reseal_icrc(&mut d, tx.local, dst, 0);
                         }
                         inner.backlog.push_back((d, segs[k]));
-                        if k + 1 == gso_run_end(&segs, run_start) {
+                        if k + 1 == gso_run_end(segs, run_start) {
                             run_start = k + 1;
                         }
                     }
-                    inner.segs = segs;
-                    self.spawn_flusher(inner);
                     return false;
                 }
             }
             i = j;
         }
-        inner.segs = segs;
         true
     }
 
@@ -1418,7 +1541,13 @@ impl SoftQp {
     /// first datagram not sent (0: nothing was, including when the batch is
     /// one run or gathered sends were refused); [`SoftQp::send_batch`] sends
     /// the rest, one run at a time, and handles a full socket.
-    fn send_runs_at_once(&self, tx: &Tx, dst: SocketAddr, inner: &Inner, segs: &[usize]) -> usize {
+    fn send_runs_at_once(
+        &self,
+        tx: &Tx,
+        dst: SocketAddr,
+        batch: Batch<'_, '_>,
+        segs: &[usize],
+    ) -> usize {
         // Most batches are one run: nothing to build for them.
         if tx.gather_refused.load(Ordering::Relaxed)
             || segs.is_empty()
@@ -1436,15 +1565,7 @@ impl SoftQp {
         let c = &self.dev.counters;
         c.tx_calls.fetch_add(1, Ordering::Relaxed);
         let ecn = self.dev.cfg.ecn;
-        let sent = match gather::send_runs(
-            &tx.sock,
-            tx.local,
-            dst,
-            ecn,
-            &inner.out,
-            &inner.grams,
-            &runs,
-        ) {
+        let sent = match gather::send_runs(&tx.sock, tx.local, dst, ecn, batch, &runs) {
             Ok(n) => n,
             Err(_) => return 0,
         };
@@ -1465,17 +1586,11 @@ impl SoftQp {
         &self,
         tx: &Tx,
         dst: SocketAddr,
-        out: &[u8],
-        grams: &[Gathered],
+        batch: Batch<'_, '_>,
         len: usize,
         gso: Option<usize>,
     ) -> io::Result<()> {
-        let mut contents = Vec::with_capacity(len);
-        for g in grams {
-            for piece in g.pieces(out) {
-                contents.extend_from_slice(piece);
-            }
-        }
+        let contents = batch.concat(len);
         let t = Transmit {
             destination: dst,
             ecn: self.dev.cfg.ecn.then_some(EcnCodepoint::Ect0),
@@ -2178,6 +2293,88 @@ async fn timer_loop(d: Arc<Device>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// READ responses whose data stays in its region: the responder hands
+    /// the transmitter a source, not a copy; the gathered datagrams carry
+    /// the region's bytes as they are when sent (a write after the
+    /// responses were built shows), and their ICRCs, computed at send time,
+    /// are those of the same packets encoded whole.
+    #[test]
+    fn read_responses_are_read_from_their_region_when_sent() {
+        let domain = Domain::new();
+        let mr = domain.register_from(
+            &(0..10_000u32).map(|i| (i * 7) as u8).collect::<Vec<_>>(),
+            Access::REMOTE_READ,
+        );
+        let r = mr.remote();
+        let mem = DomainMemory(&domain);
+        let src = mem
+            .read_source(r.rkey, r.addr + 100, 9_000)
+            .unwrap()
+            .expect("the soft device lends its regions");
+        assert_eq!(src.len(), 9_000);
+        // Three responses of a 4096-byte path MTU, the last one padded.
+        let pkts: Vec<Packet> = [(0usize, 4096usize), (4096, 8192), (8192, 9_000)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (a, b))| {
+                let mut p = Packet::new(rdmx_roce_proto::Bth::new(
+                    rdmx_roce_proto::Opcode::RDMA_READ_RESPONSE_MIDDLE,
+                    0x12,
+                    i as u32,
+                ));
+                p.deferred = Some(rdmx_roce_proto::Deferred {
+                    source: src.clone(),
+                    range: a..b,
+                });
+                p.finish();
+                p
+            })
+            .collect();
+        assert_eq!(pkts[2].payload_len(), 808);
+        assert!(
+            pkts.iter().all(|p| p.payload.is_empty()),
+            "nothing copied yet"
+        );
+        // Written after the responses were built, before they leave.
+        mr.write()[100 + 5_000] = 0xAB;
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "198.18.0.1:50000".parse().unwrap(),
+            "198.18.0.2:4791".parse().unwrap(),
+        );
+        let mut out = Vec::new();
+        let mut grams = Vec::new();
+        let mut unsealed = Vec::new();
+        let mut segs = Vec::new();
+        for (k, p) in pkts.iter().enumerate() {
+            let at = out.len();
+            p.encode_headers(&mut out);
+            let d = p.deferred.as_ref().unwrap();
+            let r = d.source.as_any().downcast_ref::<RegionSource>().unwrap();
+            let headers = out.len() - at;
+            out.extend_from_slice(p.pad_bytes());
+            out.extend_from_slice(&[0; 4]);
+            let trailer = p.pad_bytes().len() + 4;
+            segs.push(headers + p.payload_len() + trailer);
+            unsealed.push((k, 7 + k as u16));
+            grams.push(Gathered {
+                at,
+                headers,
+                payload: Payload::Region(r.0.clone(), d.range.clone()),
+                trailer,
+            });
+        }
+        let held = gather::lock_all(&grams);
+        seal_regions(&mut out, &grams, &held, &unsealed, a, b, &segs);
+        for (k, p) in pkts.iter().enumerate() {
+            let mut want = Vec::new();
+            encode(p, a, b, 7 + k as u16, &mut want);
+            assert_eq!(grams[k].to_vec(&out, &held[k]), want, "datagram {k}");
+        }
+        let second = grams[1].payload(&held[1]);
+        assert_eq!(second[5_000 - 4_096], 0xAB, "read when sent");
+        assert_eq!(second[0], ((100 + 4_096) * 7) as u8);
+    }
 
     /// Guards wait [`GUARD_SLACK_NS`] longer while calm; a NAK or a resend
     /// makes them prompt for [`PROMPT_GUARDS_NS`], then calm again.

@@ -6,10 +6,26 @@
 
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
+use std::ops::Range;
 
 use std::net::UdpSocket;
 
 use bytes::Bytes;
+use rdmx_core::{LocalSlice, RegionReadGuard};
+
+/// Where a datagram's payload is.
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// Bytes the engine holds.
+    Bytes(Bytes),
+    /// A range of a registered region (a READ response's data), read while
+    /// the send runs, under the region's read lock ([`Gathered::lock`]), as
+    /// a NIC's DMA reads it when it transmits.
+    Region(LocalSlice, Range<usize>),
+}
+
+/// The read lock a [`Payload::Region`] datagram needs while it is sent.
+pub(crate) type Held<'a> = Option<RegionReadGuard<'a>>;
 
 /// One datagram of a gathered send.
 #[derive(Debug)]
@@ -19,27 +35,84 @@ pub(crate) struct Gathered {
     /// Length of the headers.
     pub(crate) headers: usize,
     /// The payload, not copied.
-    pub(crate) payload: Bytes,
+    pub(crate) payload: Payload,
     /// Length of the trailer (pad and ICRC) right after the headers in the
     /// scratch buffer.
     pub(crate) trailer: usize,
 }
 
 impl Gathered {
-    /// Its pieces in wire order.
-    pub(crate) fn pieces<'a>(&'a self, scratch: &'a [u8]) -> [&'a [u8]; 3] {
+    /// Lock a region payload for reading (recursively: other datagrams of
+    /// the batch may hold the same region) until the guard drops.
+    pub(crate) fn lock(&self) -> Held<'_> {
+        match &self.payload {
+            Payload::Bytes(_) => None,
+            Payload::Region(slice, _) => Some(slice.lock()),
+        }
+    }
+
+    /// The payload's bytes, with `held` from [`Gathered::lock`].
+    pub(crate) fn payload<'a>(&'a self, held: &'a Held<'_>) -> &'a [u8] {
+        match (&self.payload, held) {
+            (Payload::Bytes(b), _) => b,
+            (Payload::Region(_, range), Some(g)) => &g[range.clone()],
+            (Payload::Region(..), None) => unreachable!("a region payload read without its lock"),
+        }
+    }
+
+    /// Its pieces in wire order, with `held` from [`Gathered::lock`].
+    pub(crate) fn pieces<'a>(&'a self, scratch: &'a [u8], held: &'a Held<'_>) -> [&'a [u8]; 3] {
         let t = self.at + self.headers;
         [
             &scratch[self.at..t],
-            &self.payload,
+            self.payload(held),
             &scratch[t..t + self.trailer],
         ]
     }
 
     /// The datagram's bytes in one buffer (for the backlog of a full socket).
-    pub(crate) fn to_vec(&self, scratch: &[u8]) -> Vec<u8> {
-        self.pieces(scratch).concat()
+    pub(crate) fn to_vec(&self, scratch: &[u8], held: &Held<'_>) -> Vec<u8> {
+        self.pieces(scratch, held).concat()
     }
+}
+
+/// Datagrams ready to send: their headers and trailers in `scratch`, and
+/// what their payloads need to be read (`held`, one entry each).
+#[derive(Clone, Copy)]
+pub(crate) struct Batch<'a, 'g> {
+    /// Headers and trailers.
+    pub(crate) scratch: &'a [u8],
+    /// The datagrams.
+    pub(crate) grams: &'a [Gathered],
+    /// [`Gathered::lock`] of each.
+    pub(crate) held: &'a [Held<'g>],
+}
+
+impl<'a, 'g> Batch<'a, 'g> {
+    /// The datagrams of `range`.
+    pub(crate) fn part(&self, range: Range<usize>) -> Batch<'a, 'g> {
+        Batch {
+            scratch: self.scratch,
+            grams: &self.grams[range.clone()],
+            held: &self.held[range],
+        }
+    }
+
+    /// Their bytes in wire order, as one buffer.
+    pub(crate) fn concat(&self, len: usize) -> Vec<u8> {
+        let mut contents = Vec::with_capacity(len);
+        for (g, h) in self.grams.iter().zip(self.held) {
+            for piece in g.pieces(self.scratch, h) {
+                contents.extend_from_slice(piece);
+            }
+        }
+        contents
+    }
+}
+
+/// Lock what `datagrams` need to be read ([`Gathered::lock`]), one entry each.
+pub(crate) fn lock_all(datagrams: &[Gathered]) -> Vec<Held<'_>> {
+    datagrams.iter().map(Gathered::lock).collect()
 }
 
 /// `UDP_SEGMENT` (linux/udp.h): the GSO segment size of one send.
@@ -84,7 +157,7 @@ fn control(ipv6: bool, ecn: bool, segment: Option<u16>) -> Vec<u8> {
     c
 }
 
-/// Send `datagrams` (pieces in `scratch` and their payloads) from `sock`
+/// Send the datagrams of `batch` from `sock`
 /// (bound to `local`) to `dst` in one `sendmsg`: as GSO segments of
 /// `segment` bytes (every datagram but the last exactly that long, the last
 /// no longer) when given, else exactly one datagram. `WouldBlock` when the
@@ -94,12 +167,11 @@ pub(crate) fn send(
     local: SocketAddr,
     dst: SocketAddr,
     ecn: bool,
-    scratch: &[u8],
-    datagrams: &[Gathered],
+    batch: Batch<'_, '_>,
     segment: Option<usize>,
 ) -> io::Result<()> {
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
-    push_pieces(&mut iov, scratch, datagrams);
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(batch.grams.len() * 3);
+    push_pieces(&mut iov, batch);
     let segment = segment_u16(segment)?;
     let (addr, ipv6) = destination(local, dst);
     let ctl = control(ipv6, ecn, segment);
@@ -119,17 +191,16 @@ pub(crate) fn send_runs(
     local: SocketAddr,
     dst: SocketAddr,
     ecn: bool,
-    scratch: &[u8],
-    datagrams: &[Gathered],
-    runs: &[(std::ops::Range<usize>, Option<usize>)],
+    batch: Batch<'_, '_>,
+    runs: &[(Range<usize>, Option<usize>)],
 ) -> io::Result<usize> {
     let (addr, ipv6) = destination(local, dst);
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(datagrams.len() * 3);
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(batch.grams.len() * 3);
     let mut bounds = Vec::with_capacity(runs.len());
     let mut controls = Vec::with_capacity(runs.len());
     for (range, segment) in runs {
         let start = iov.len();
-        push_pieces(&mut iov, scratch, &datagrams[range.clone()]);
+        push_pieces(&mut iov, batch.part(range.clone()));
         bounds.push(start..iov.len());
         controls.push(control(ipv6, ecn, segment_u16(*segment)?));
     }
@@ -144,10 +215,10 @@ pub(crate) fn send_runs(
     crate::sys::sendmmsg(sock, &addr, &msgs)
 }
 
-/// Append the non-empty pieces of `datagrams`, in wire order.
-fn push_pieces<'a>(iov: &mut Vec<IoSlice<'a>>, scratch: &'a [u8], datagrams: &'a [Gathered]) {
-    for d in datagrams {
-        for p in d.pieces(scratch) {
+/// Append the non-empty pieces of `batch`, in wire order.
+fn push_pieces<'a>(iov: &mut Vec<IoSlice<'a>>, batch: Batch<'a, '_>) {
+    for (d, h) in batch.grams.iter().zip(batch.held) {
+        for p in d.pieces(batch.scratch, h) {
             if !p.is_empty() {
                 iov.push(IoSlice::new(p));
             }
@@ -225,10 +296,10 @@ mod tests {
             let g = Gathered {
                 at,
                 headers,
-                payload,
+                payload: Payload::Bytes(payload),
                 trailer,
             };
-            want.push(g.to_vec(&scratch));
+            want.push(g.to_vec(&scratch, &None));
             grams.push(g);
         }
         (scratch, grams, want)
@@ -255,8 +326,11 @@ mod tests {
                 tx.local_addr().unwrap(),
                 rx.local_addr().unwrap(),
                 true,
-                &scratch,
-                &grams,
+                Batch {
+                    scratch: &scratch,
+                    grams: &grams,
+                    held: &lock_all(&grams),
+                },
                 Some(1100),
             )
             .unwrap();
@@ -277,8 +351,11 @@ mod tests {
                     tx.local_addr().unwrap(),
                     dst,
                     ecn,
-                    &scratch,
-                    &grams[i..i + 1],
+                    Batch {
+                        scratch: &scratch,
+                        grams: &grams[i..i + 1],
+                        held: &[None],
+                    },
                     None,
                 )
                 .unwrap();
@@ -316,8 +393,11 @@ mod tests {
                 tx.local_addr().unwrap(),
                 rx.local_addr().unwrap(),
                 false,
-                &scratch,
-                &grams,
+                Batch {
+                    scratch: &scratch,
+                    grams: &grams,
+                    held: &lock_all(&grams),
+                },
                 &runs,
             )
             .unwrap();

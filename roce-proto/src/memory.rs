@@ -116,6 +116,29 @@ pub struct VecRegion {
 pub struct VecMemory {
     /// The regions.
     pub regions: Vec<VecRegion>,
+    /// Answer [`Memory::read_source`] with a source (a copy taken at the
+    /// request, read again as each response leaves), so READ responses go
+    /// through the engine with deferred payloads, as a transport that sends
+    /// from registered memory has them; otherwise responses carry bytes.
+    pub lend_reads: bool,
+}
+
+/// The bytes a [`VecMemory`] lends for a READ.
+#[derive(Debug)]
+struct LentBytes(Bytes);
+
+impl PayloadSource for LentBytes {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn copy(&self, range: Range<usize>) -> Bytes {
+        self.0.slice(range)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 impl VecMemory {
@@ -171,6 +194,19 @@ impl Memory for VecMemory {
         Ok(Bytes::copy_from_slice(
             &self.regions[i].data[off..off + len as usize],
         ))
+    }
+
+    fn read_source(
+        &self,
+        rkey: u32,
+        va: u64,
+        len: u64,
+    ) -> Result<Option<Arc<dyn PayloadSource>>, MemError> {
+        if !self.lend_reads {
+            return Ok(None);
+        }
+        let bytes = self.read(rkey, va, len)?;
+        Ok(Some(Arc::new(LentBytes(bytes))))
     }
 
     fn atomic(&mut self, rkey: u32, va: u64, op: Atomic) -> Result<u64, MemError> {

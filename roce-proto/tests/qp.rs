@@ -1359,6 +1359,24 @@ fn dcqcn_reacts_to_ce_marks_and_recovers() {
         .all(|c| c.status == WcStatus::Success));
 }
 
+/// Two QPs (path MTU 1024, fast timer 10) over a link that loses 3% of
+/// packets and reorders them (3 µs jitter), seeded with `seed`.
+fn lossy_sim(selective_repeat: bool, seed: u64) -> Sim {
+    let cfg = QpConfig {
+        pmtu: 1024,
+        timeout: 10,
+        selective_repeat,
+        dcqcn: None,
+        ..QpConfig::default()
+    };
+    let link = Link {
+        loss: 0.03,
+        jitter_ns: 3_000,
+        ..Link::default()
+    };
+    Sim::new(cfg, cfg, link, seed)
+}
+
 /// A 2 MiB READ (2048 responses in 16 chunk requests) under 3% loss with
 /// reordering: exact data in both modes; selective repeat asks again only for
 /// what is missing, so it resends far fewer responses.
@@ -1366,19 +1384,7 @@ fn dcqcn_reacts_to_ce_marks_and_recovers() {
 fn large_read_under_loss_both_modes() {
     let mut resent = Vec::new();
     for selective_repeat in [false, true] {
-        let cfg = QpConfig {
-            pmtu: 1024,
-            timeout: 10,
-            selective_repeat,
-            dcqcn: None,
-            ..QpConfig::default()
-        };
-        let link = Link {
-            loss: 0.03,
-            jitter_ns: 3_000,
-            ..Link::default()
-        };
-        let mut sim = Sim::new(cfg, cfg, link, 99);
+        let mut sim = lossy_sim(selective_repeat, 99);
         let data: Vec<u8> = (0..2u32 << 20).map(|i| (i * 7 % 253) as u8).collect();
         sim.mem_b.add(0x55, 0x4000, data.clone());
         sim.mem_b.regions[0].read = true;
@@ -1416,19 +1422,7 @@ fn large_read_under_loss_both_modes() {
 #[test]
 fn lent_read_responses_arrive_exact_under_loss() {
     for selective_repeat in [false, true] {
-        let cfg = QpConfig {
-            pmtu: 1024,
-            timeout: 10,
-            selective_repeat,
-            dcqcn: None,
-            ..QpConfig::default()
-        };
-        let link = Link {
-            loss: 0.03,
-            jitter_ns: 3_000,
-            ..Link::default()
-        };
-        let mut sim = Sim::new(cfg, cfg, link, 7);
+        let mut sim = lossy_sim(selective_repeat, 7);
         let data: Vec<u8> = (0..300_001u32).map(|i| (i * 13 % 251) as u8).collect();
         sim.mem_b.add(0x55, 0x4000, data.clone());
         sim.mem_b.lend_reads = true;

@@ -868,6 +868,7 @@ impl Memory for DomainMemory<'_> {
             .map_err(mem_err)?;
         Ok(Some(Arc::new(RegionSource(slice))))
     }
+
     fn atomic(&mut self, rkey: u32, va: u64, op: Atomic) -> Result<u64, MemError> {
         let op = match op {
             Atomic::CompareSwap { compare, swap } => AtomicOp::CompareAndSwap {

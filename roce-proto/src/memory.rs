@@ -64,6 +64,11 @@ pub trait PayloadSource: Send + Sync + fmt::Debug {
     }
     /// The bytes of `range` (within `0..len()`), copied as they are now.
     fn copy(&self, range: Range<usize>) -> Bytes;
+    /// Append the bytes of `range` to `out` (one copy; the default goes
+    /// through [`PayloadSource::copy`]).
+    fn append_to(&self, range: Range<usize>, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.copy(range));
+    }
     /// The concrete source, for a transmitter that reads its own kind in
     /// place instead of copying.
     fn as_any(&self) -> &dyn Any;
@@ -134,6 +139,10 @@ impl PayloadSource for LentBytes {
 
     fn copy(&self, range: Range<usize>) -> Bytes {
         self.0.slice(range)
+    }
+
+    fn append_to(&self, range: Range<usize>, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.0[range]);
     }
 
     fn as_any(&self) -> &dyn Any {

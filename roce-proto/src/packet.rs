@@ -330,14 +330,6 @@ impl Packet {
             .map_or(self.payload.len(), |d| d.range.len())
     }
 
-    /// Read a deferred payload now into [`Packet::payload`] (for a consumer
-    /// that needs the bytes in the packet: a capture, a simulator).
-    pub fn materialize(&mut self) {
-        if let Some(d) = self.deferred.take() {
-            self.payload = d.source.copy(d.range);
-        }
-    }
-
     /// Decode transport bytes (BTH … pad), *without* the trailing ICRC. The
     /// payload is copied out of `b`.
     pub fn decode(b: &[u8]) -> Result<Packet, DecodeError> {
@@ -448,7 +440,7 @@ impl Packet {
     pub fn encode(&self, out: &mut Vec<u8>) {
         self.encode_headers(out);
         match &self.deferred {
-            Some(d) => out.put_slice(&d.source.copy(d.range.clone())),
+            Some(d) => d.source.append_to(d.range.clone(), out),
             None => out.put_slice(&self.payload),
         }
         out.put_slice(self.pad_bytes());

@@ -896,6 +896,10 @@ impl PayloadSource for RegionSource {
         Bytes::copy_from_slice(&self.0.lock()[range])
     }
 
+    fn append_to(&self, range: std::ops::Range<usize>, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.0.lock()[range]);
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -1055,11 +1059,10 @@ fn seal_regions(
     unsealed: &[(usize, u16)],
     src: SocketAddr,
     dst: SocketAddr,
-    segs: &[usize],
 ) {
     for &(k, id) in unsealed {
         let g = &grams[k];
-        let (ip, udp) = headers(src, dst, 8 + segs[k], id);
+        let (ip, udp) = headers(src, dst, 8 + g.len(), id);
         let t = g.at + g.headers;
         let pad = &out[t..t + g.trailer - 4];
         let crc = icrc::compute_parts(&ip, &udp, &[&out[g.at..t], g.payload(&held[k]), pad]);
@@ -1434,15 +1437,7 @@ impl SoftQp {
         // have left (or been copied to the backlog), and their ICRCs
         // computed over exactly what leaves.
         let held = gather::lock_all(&all);
-        seal_regions(
-            &mut inner.out,
-            &all,
-            &held,
-            &inner.unsealed,
-            tx.local,
-            dst,
-            &segs,
-        );
+        seal_regions(&mut inner.out, &all, &held, &inner.unsealed, tx.local, dst);
         inner.unsealed.clear();
         let sent_all = self.send_held(tx, dst, inner, &segs, &all, &held);
         drop(held);
@@ -2346,7 +2341,6 @@ mod tests {
         let mut out = Vec::new();
         let mut grams = Vec::new();
         let mut unsealed = Vec::new();
-        let mut segs = Vec::new();
         for (k, p) in pkts.iter().enumerate() {
             let at = out.len();
             p.encode_headers(&mut out);
@@ -2356,7 +2350,6 @@ mod tests {
             out.extend_from_slice(p.pad_bytes());
             out.extend_from_slice(&[0; 4]);
             let trailer = p.pad_bytes().len() + 4;
-            segs.push(headers + p.payload_len() + trailer);
             unsealed.push((k, 7 + k as u16));
             grams.push(Gathered {
                 at,
@@ -2366,8 +2359,9 @@ mod tests {
             });
         }
         let held = gather::lock_all(&grams);
-        seal_regions(&mut out, &grams, &held, &unsealed, a, b, &segs);
+        seal_regions(&mut out, &grams, &held, &unsealed, a, b);
         for (k, p) in pkts.iter().enumerate() {
+            assert_eq!(grams[k].len(), p.encoded_len() + 4, "datagram {k} size");
             let mut want = Vec::new();
             encode(p, a, b, 7 + k as u16, &mut want);
             assert_eq!(grams[k].to_vec(&out, &held[k]), want, "datagram {k}");

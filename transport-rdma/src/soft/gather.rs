@@ -60,6 +60,15 @@ impl Gathered {
         }
     }
 
+    /// Its size on the wire (headers, payload, pad and ICRC).
+    pub(crate) fn len(&self) -> usize {
+        let payload = match &self.payload {
+            Payload::Bytes(b) => b.len(),
+            Payload::Region(_, range) => range.len(),
+        };
+        self.headers + payload + self.trailer
+    }
+
     /// Its pieces in wire order, with `held` from [`Gathered::lock`].
     pub(crate) fn pieces<'a>(&'a self, scratch: &'a [u8], held: &'a Held<'_>) -> [&'a [u8]; 3] {
         let t = self.at + self.headers;

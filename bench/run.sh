@@ -74,6 +74,11 @@ run() { # name, command...   (records the command for the report)
   timeout 600 "$@" > "$OUT/$name.out" 2> "$OUT/$name.err" || echo "warning: $name failed (see $OUT/$name.err)" >&2
 }
 
+# What this host charges to wake a thread, on one CPU and across CPUs: the
+# context of every row where processes hand work to each other.
+echo "rdmx doctor (wake-up probe)" >&2
+run doctor $RDMX doctor --json
+
 echo "rdmx perf (interrupt mode, full sweep)" >&2
 run rdmx_irq $RDMX perf --loopback --baseline raw-tcp --json --duration-ms $DUR --iters $ITERS \
   --op send,write,read,cas,faa --sizes 8,64,512,4k,32k,256k,1m --window 16

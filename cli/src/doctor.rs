@@ -1,7 +1,9 @@
 //! `rdmx doctor`: what this host offers rdmx, for a person (or `--json`).
 //! RDMA devices, ports, GIDs, which provider a connection would use and why,
 //! memlock, ECN/DCQCN settings, the port counters that reveal fabric trouble,
-//! and for each finding one line of advice.
+//! how long this host takes to wake a thread on the same and on another
+//! CPU (what every hop between processes pays, see [`crate::wakeup`]), and
+//! for each finding one line of advice.
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +23,9 @@ pub(crate) struct DoctorArgs {
     /// Root of procfs.
     #[arg(long, default_value = "/proc")]
     procfs: PathBuf,
+    /// Skip the wake-up probe (it takes about a second on a slow host).
+    #[arg(long)]
+    no_wake_probe: bool,
 }
 
 /// One thing worth knowing, with advice.
@@ -41,6 +46,8 @@ pub(crate) struct Report {
     pub(crate) provider: String,
     pub(crate) memlock_bytes: Option<u64>,
     pub(crate) rmem_max: Option<u64>,
+    /// The wake-up probe's figures (absent when skipped or failed).
+    pub(crate) wake: Option<crate::wakeup::WakeCost>,
     pub(crate) findings: Vec<Finding>,
 }
 
@@ -270,12 +277,58 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
         provider,
         memlock_bytes,
         rmem_max,
+        wake: None,
         findings,
     }
 }
 
+/// The wake-up probe's finding: its figures, and a warning where waking a
+/// thread on another CPU costs what only busy polling or one CPU avoids.
+pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost) -> Finding {
+    let same = format!(
+        "waking a thread: {:.1} µs per round trip on one CPU",
+        c.same_cpu_us
+    );
+    match c.cross_cpu_us {
+        Some(x) if x > crate::wakeup::SLOW_CROSS_CPU_US => Finding {
+            level: "warn",
+            what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
+            advice: format!(
+                "every hop between processes on different CPUs pays about {:.0} µs here (two \
+                 hops per request and reply): latency-bound chains (client -> gateway -> node, \
+                 fio -> NBD export -> target) gain from --busy-poll-us, or from running on fewer \
+                 CPUs; hosts that keep their CPUs out of deep idle states take a few µs",
+                x / 2.0
+            ),
+        },
+        Some(x) => Finding {
+            level: "ok",
+            what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
+            advice: "nothing to do".into(),
+        },
+        None => Finding {
+            level: "info",
+            what: format!("{same} (median of {}); one CPU to run on", c.rounds),
+            advice: "every process shares that CPU: a hop between them is a context switch".into(),
+        },
+    }
+}
+
 pub(crate) fn run(a: DoctorArgs) -> Result<(), Error> {
-    let r = report(&a.sysfs, &a.procfs, Hw::probe());
+    let mut r = report(&a.sysfs, &a.procfs, Hw::probe());
+    if !a.no_wake_probe {
+        match crate::wakeup::probe(2000) {
+            Ok(c) => {
+                r.findings.push(wake_finding(&c));
+                r.wake = Some(c);
+            }
+            Err(e) => r.findings.push(Finding {
+                level: "info",
+                what: format!("the wake-up probe failed: {e}"),
+                advice: "run with --no-wake-probe to skip it".into(),
+            }),
+        }
+    }
     if a.json {
         println!(
             "{}",
@@ -419,5 +472,34 @@ mod tests {
             .findings
             .iter()
             .any(|f| f.advice.contains("RDMX_RDMA_DEVICE")));
+    }
+
+    #[test]
+    fn the_wake_up_finding_warns_only_when_another_cpu_is_slow() {
+        use crate::wakeup::WakeCost;
+        let slow = wake_finding(&WakeCost {
+            rounds: 2000,
+            same_cpu_us: 6.1,
+            cross_cpu_us: Some(91.3),
+        });
+        assert_eq!(slow.level, "warn");
+        assert_eq!(
+            slow.what,
+            "waking a thread: 6.1 µs per round trip on one CPU, 91.3 µs across CPUs (median of 2000)"
+        );
+        assert!(slow.advice.contains("about 46 µs"), "{}", slow.advice);
+        let fast = wake_finding(&WakeCost {
+            rounds: 10,
+            same_cpu_us: 3.0,
+            cross_cpu_us: Some(12.0),
+        });
+        assert_eq!(fast.level, "ok");
+        let one = wake_finding(&WakeCost {
+            rounds: 10,
+            same_cpu_us: 3.0,
+            cross_cpu_us: None,
+        });
+        assert_eq!(one.level, "info");
+        assert!(one.what.contains("one CPU to run on"), "{}", one.what);
     }
 }

@@ -32,6 +32,7 @@ mod pingpong;
 mod plot;
 mod raw;
 mod soak;
+mod wakeup;
 
 use clap::{Parser, Subcommand};
 

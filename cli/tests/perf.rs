@@ -356,7 +356,8 @@ fn perf_capture_over_soft_roce_decodes_with_tshark() {
 }
 
 /// `rdmx doctor --json` on a fake sysfs tree: the device, its v2 GID and a
-/// troubling counter appear, with advice.
+/// troubling counter appear, with advice; the wake-up probe's figures too,
+/// unless skipped.
 #[test]
 fn doctor_reads_a_fake_sysfs_tree() {
     use rdmx_transport_rdma::sysfs::fake::{counter, port};
@@ -395,6 +396,21 @@ fn doctor_reads_a_fake_sysfs_tree() {
     assert!(findings
         .iter()
         .any(|f| f["what"].as_str().unwrap().contains("out_of_sequence = 5")));
+    // The wake-up probe ran: its figures, and a finding that names them.
+    assert_eq!(j["wake"]["rounds"], 2000);
+    let same = j["wake"]["same_cpu_us"].as_f64().unwrap();
+    assert!(same > 0.0, "{}", j["wake"]);
+    assert!(findings
+        .iter()
+        .any(|f| f["what"].as_str().unwrap().starts_with("waking a thread: ")));
+    // And it can be skipped.
+    let out = rdmx()
+        .args(["doctor", "--json", "--no-wake-probe", "--sysfs"])
+        .arg(&root)
+        .output()
+        .unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(j["wake"].is_null(), "{}", j["wake"]);
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -140,9 +140,10 @@ if cc:
       "this VM's default, loopback TCP is paced at a rate each connection settles on by chance, "
       "and a 1 MiB round trip took either about 200 µs or about 500 µs, raw TCP and rdmx alike.\n")
 try:
-    wake = json.loads(read("doctor", "out") or "{}").get("wake") or {}
+    doctor = json.loads(read("doctor", "out") or "{}")
 except ValueError:
-    wake = {}
+    doctor = {}
+wake = doctor.get("wake") or {}
 if wake.get("cross_cpu_us"):
     w(f"This host wakes a sleeping thread in {wake['same_cpu_us']:.1f} µs per round trip with both "
       f"threads on one CPU and in {wake['cross_cpu_us']:.1f} µs across CPUs (median of "
@@ -150,7 +151,12 @@ if wake.get("cross_cpu_us"):
       f"different CPU pays about {wake['cross_cpu_us'] / 2:.0f} µs before any work is done, so "
       "the rows where a request crosses more processes than its baseline's (the KV gateway and "
       "its nodes against redis-server, the NBD export and its target against qemu-nbd) pay it "
-      "once per extra hop.\n")
+      "once per extra hop."
+      + (" This guest's idle vCPUs halt at once (cpuidle `haltpoll`, `guest_halt_poll_ns` 0), so "
+         "each of those wake-ups is a VM exit and entry; the script leaves that setting as it "
+         "finds it." if doctor.get("cpuidle_driver") == "haltpoll"
+         and doctor.get("guest_halt_poll_ns") == 0 else "")
+      + "\n")
 w("Latency figures are **round trips** of one operation (p50, microseconds). "
   "`raw-tcp` is a plain tokio socket doing the same request/response shape as the operation "
   "(8-byte header, no framing, no flow control), measured interleaved with rdmx so both see the "

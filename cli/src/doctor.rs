@@ -46,6 +46,12 @@ pub(crate) struct Report {
     pub(crate) provider: String,
     pub(crate) memlock_bytes: Option<u64>,
     pub(crate) rmem_max: Option<u64>,
+    /// How idle CPUs wait: the cpuidle driver (`haltpoll` in a KVM guest
+    /// that has it).
+    pub(crate) cpuidle_driver: Option<String>,
+    /// With the haltpoll driver: how long an idle vCPU polls before it
+    /// halts (0: at once, and every wake-up is a VM exit and entry).
+    pub(crate) guest_halt_poll_ns: Option<u64>,
     /// The wake-up probe's figures (absent when skipped or failed).
     pub(crate) wake: Option<crate::wakeup::WakeCost>,
     pub(crate) findings: Vec<Finding>,
@@ -263,6 +269,10 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
         }
     }
     let rmem_max = read(&procfs.join("sys/net/core/rmem_max")).and_then(|s| s.parse().ok());
+    let cpuidle_driver = read(&sysfs_root.join("devices/system/cpu/cpuidle/current_driver"));
+    let guest_halt_poll_ns =
+        read(&sysfs_root.join("module/haltpoll/parameters/guest_halt_poll_ns"))
+            .and_then(|s| s.parse().ok());
     if let Some(r) = rmem_max {
         if r < 8 << 20 {
             f(
@@ -277,14 +287,18 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
         provider,
         memlock_bytes,
         rmem_max,
+        cpuidle_driver,
+        guest_halt_poll_ns,
         wake: None,
         findings,
     }
 }
 
 /// The wake-up probe's finding: its figures, and a warning where waking a
-/// thread on another CPU costs what only busy polling or one CPU avoids.
-pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost) -> Finding {
+/// thread on another CPU is slow, with what helps (busy polling, fewer
+/// CPUs, and in a KVM guest whose idle vCPUs halt at once, letting them
+/// poll first: `r`'s cpuidle settings).
+pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost, r: &Report) -> Finding {
     let same = format!(
         "waking a thread: {:.1} µs per round trip on one CPU",
         c.same_cpu_us
@@ -294,11 +308,15 @@ pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost) -> Finding {
             level: "warn",
             what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
             advice: format!(
-                "every hop between processes on different CPUs pays about {:.0} µs here (two \
+                "{}{}",
+                format_args!(
+                    "every hop between processes on different CPUs pays about {:.0} µs here (two \
                  hops per request and reply): latency-bound chains (client -> gateway -> node, \
                  fio -> NBD export -> target) gain from --busy-poll-us, or from running on fewer \
                  CPUs; hosts that keep their CPUs out of deep idle states take a few µs",
-                x / 2.0
+                    x / 2.0
+                ),
+                halt_poll_hint(r)
             ),
         },
         Some(x) => Finding {
@@ -314,12 +332,25 @@ pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost) -> Finding {
     }
 }
 
+/// In a KVM guest whose idle vCPUs halt at once: how to let them poll.
+fn halt_poll_hint(r: &Report) -> String {
+    match (r.cpuidle_driver.as_deref(), r.guest_halt_poll_ns) {
+        (Some("haltpoll"), Some(0)) => "; this KVM guest halts idle vCPUs at once \
+            (cpuidle haltpoll, guest_halt_poll_ns 0), so each wake-up is a VM exit and entry: \
+            echo 200000 > /sys/module/haltpoll/parameters/guest_halt_poll_ns lets them poll \
+            200 µs first (idle CPU time for wake-ups)"
+            .into(),
+        _ => String::new(),
+    }
+}
+
 pub(crate) fn run(a: DoctorArgs) -> Result<(), Error> {
     let mut r = report(&a.sysfs, &a.procfs, Hw::probe());
     if !a.no_wake_probe {
         match crate::wakeup::probe(2000) {
             Ok(c) => {
-                r.findings.push(wake_finding(&c));
+                let f = wake_finding(&c, &r);
+                r.findings.push(f);
                 r.wake = Some(c);
             }
             Err(e) => r.findings.push(Finding {
@@ -477,29 +508,63 @@ mod tests {
     #[test]
     fn the_wake_up_finding_warns_only_when_another_cpu_is_slow() {
         use crate::wakeup::WakeCost;
-        let slow = wake_finding(&WakeCost {
+        let (s, p) = (tmp("wake-sys"), tmp("wake-proc"));
+        proc_tree(&p, 1 << 20, 16 << 20);
+        let r = report(&s, &p, Hw::NotBuilt);
+        assert_eq!(r.cpuidle_driver, None);
+        let slow_cost = WakeCost {
             rounds: 2000,
             same_cpu_us: 6.1,
             cross_cpu_us: Some(91.3),
-        });
+        };
+        let slow = wake_finding(&slow_cost, &r);
         assert_eq!(slow.level, "warn");
         assert_eq!(
             slow.what,
             "waking a thread: 6.1 µs per round trip on one CPU, 91.3 µs across CPUs (median of 2000)"
         );
         assert!(slow.advice.contains("about 46 µs"), "{}", slow.advice);
-        let fast = wake_finding(&WakeCost {
-            rounds: 10,
-            same_cpu_us: 3.0,
-            cross_cpu_us: Some(12.0),
-        });
+        assert!(!slow.advice.contains("haltpoll"), "{}", slow.advice);
+        let fast = wake_finding(
+            &WakeCost {
+                rounds: 10,
+                same_cpu_us: 3.0,
+                cross_cpu_us: Some(12.0),
+            },
+            &r,
+        );
         assert_eq!(fast.level, "ok");
-        let one = wake_finding(&WakeCost {
-            rounds: 10,
-            same_cpu_us: 3.0,
-            cross_cpu_us: None,
-        });
+        let one = wake_finding(
+            &WakeCost {
+                rounds: 10,
+                same_cpu_us: 3.0,
+                cross_cpu_us: None,
+            },
+            &r,
+        );
         assert_eq!(one.level, "info");
         assert!(one.what.contains("one CPU to run on"), "{}", one.what);
+        // A KVM guest whose idle vCPUs halt at once is told how to let them
+        // poll; one that polls already is not.
+        let idle = s.join("devices/system/cpu/cpuidle");
+        let knob = s.join("module/haltpoll/parameters");
+        std::fs::create_dir_all(&idle).unwrap();
+        std::fs::create_dir_all(&knob).unwrap();
+        std::fs::write(idle.join("current_driver"), "haltpoll\n").unwrap();
+        std::fs::write(knob.join("guest_halt_poll_ns"), "0\n").unwrap();
+        let r = report(&s, &p, Hw::NotBuilt);
+        assert_eq!(r.cpuidle_driver.as_deref(), Some("haltpoll"));
+        assert_eq!(r.guest_halt_poll_ns, Some(0));
+        let slow = wake_finding(&slow_cost, &r);
+        assert!(
+            slow.advice.contains("guest_halt_poll_ns 0") && slow.advice.contains("echo 200000"),
+            "{}",
+            slow.advice
+        );
+        std::fs::write(knob.join("guest_halt_poll_ns"), "200000\n").unwrap();
+        let r = report(&s, &p, Hw::NotBuilt);
+        assert!(!wake_finding(&slow_cost, &r).advice.contains("haltpoll"));
+        let _ = std::fs::remove_dir_all(&s);
+        let _ = std::fs::remove_dir_all(&p);
     }
 }

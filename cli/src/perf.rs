@@ -26,7 +26,10 @@ const SINK: u8 = 0;
     in flight. With --baseline raw-tcp the same request/response shape also runs over a \
     plain TCP socket with an 8-byte header and nothing else, interleaved with rdmx in the \
     same run: raw_p50 and raw_MB/s are its figures, lat_x = rdmx p50 / raw p50 (below 1: \
-    rdmx is faster) and bw_x = rdmx MB/s / raw MB/s (above 1: rdmx is faster). Sizes take \
+    rdmx is faster) and bw_x = rdmx MB/s / raw MB/s (above 1: rdmx is faster). cpu_us is \
+    this process's CPU time per operation, every thread (with --loopback both ends run here; \
+    of the bandwidth run when there is one), and cpu_x the same ratio to the baseline's \
+    (below 1: rdmx costs less). Sizes take \
     k, m, g suffixes in powers of 1024 (4k = 4096 bytes).\n\n\
     Examples:\n  rdmx perf --loopback --baseline raw-tcp\n  \
     rdmx perf server --listen 0.0.0.0:7471 --raw-baseline --metrics 127.0.0.1:9471\n  \
@@ -224,6 +227,9 @@ pub(crate) struct Baseline {
     pub(crate) p99_us: Option<f64>,
     pub(crate) mb_per_s: Option<f64>,
     pub(crate) ops_per_s: Option<f64>,
+    /// CPU time of this process per operation, µs (see
+    /// [`PerfResult::cpu_us_per_op`]).
+    pub(crate) cpu_us_per_op: Option<f64>,
 }
 
 /// One measured point.
@@ -242,11 +248,19 @@ pub(crate) struct PerfResult {
     pub(crate) mb_per_s: Option<f64>,
     pub(crate) ops_per_s: Option<f64>,
     pub(crate) busy_poll: bool,
+    /// CPU time of this process per operation, µs, every thread counted:
+    /// with `--loopback` both ends run here, so it is what the operation
+    /// costs the host; as a client, the client's share alone. Latency runs
+    /// count their measured blocks, bandwidth runs the whole window run.
+    pub(crate) cpu_us_per_op: Option<f64>,
     pub(crate) baseline: Option<Baseline>,
     /// rdmx p50 latency / baseline p50 latency (lower is better).
     pub(crate) lat_ratio: Option<f64>,
     /// rdmx bandwidth / baseline bandwidth (higher is better).
     pub(crate) bw_ratio: Option<f64>,
+    /// rdmx CPU per operation / the baseline's (lower is better; of the
+    /// bandwidth run when there is one, else of the latency run).
+    pub(crate) cpu_ratio: Option<f64>,
     /// What the bandwidth run cost in protocol terms over RDMA
     /// (retransmissions, timer expiries, NAKs...): why a lossy path's
     /// goodput is what it is.
@@ -676,7 +690,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             );
         }
         println!(
-            "{:<10} {:<5} {:>8} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9} {:>10} {:>8}",
+            "{:<10} {:<5} {:>8} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8} {:>6}",
             "transport",
             "op",
             "size",
@@ -688,7 +702,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             "raw_p50",
             "lat_x",
             "raw_MB/s",
-            "bw_x"
+            "bw_x",
+            "cpu_us",
+            "cpu_x"
         );
     }
     let mut results = Vec::new();
@@ -716,9 +732,11 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 mb_per_s: None,
                 ops_per_s: None,
                 busy_poll: busy.is_some(),
+                cpu_us_per_op: None,
                 baseline: None,
                 lat_ratio: None,
                 bw_ratio: None,
+                cpu_ratio: None,
                 rdma: None,
             };
             let mut base = Baseline {
@@ -727,6 +745,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 p99_us: None,
                 mb_per_s: None,
                 ops_per_s: None,
+                cpu_us_per_op: None,
             };
             if p.lat {
                 let iters = lat_iters(a, size);
@@ -745,7 +764,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 let (mut h, mut hb) = (hist(), hist());
                 let blocks = 11;
                 let per = iters.div_ceil(10).max(1);
+                let (mut cpu, mut cpu_b) = (Duration::ZERO, Duration::ZERO);
                 for b in 0..blocks {
+                    let c0 = cpu_now();
                     for _ in 0..per {
                         let t = Instant::now();
                         one_op(&conn, op, region, &pl).await?;
@@ -753,7 +774,11 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                             h.record(t.elapsed().as_nanos() as u64).expect("in bounds");
                         }
                     }
+                    if b > 0 {
+                        cpu += cpu_now().saturating_sub(c0);
+                    }
                     if let Some(rc) = rc.as_mut() {
+                        let c0 = cpu_now();
                         for _ in 0..per {
                             let t = Instant::now();
                             rc.round_trip(req, resp).await.map_err(err)?;
@@ -761,9 +786,16 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                                 hb.record(t.elapsed().as_nanos() as u64).expect("in bounds");
                             }
                         }
+                        if b > 0 {
+                            cpu_b += cpu_now().saturating_sub(c0);
+                        }
                     }
                 }
                 r.iters = per * 10;
+                r.cpu_us_per_op = per_op_us(cpu, r.iters);
+                if rc.is_some() {
+                    base.cpu_us_per_op = per_op_us(cpu_b, r.iters);
+                }
                 r.p50_us = us(&h, 0.5);
                 r.p99_us = us(&h, 0.99);
                 r.p999_us = us(&h, 0.999);
@@ -774,7 +806,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 let dur = Duration::from_millis(a.duration_ms);
                 let window = a.window as usize;
                 let before = conn.stats();
+                let c0 = cpu_now();
                 let (ops, elapsed) = bandwidth(&conn, op, theirs, size, window, dur).await?;
+                r.cpu_us_per_op = per_op_us(cpu_now().saturating_sub(c0), ops);
                 r.rdma = RdmaCounters::between(&conn, &before, &conn.stats());
                 let secs = elapsed.as_secs_f64();
                 r.ops_per_s = Some(ops as f64 / secs);
@@ -787,12 +821,14 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                     // Same shape as rdmx's: sends are one-way messages
                     // proven by a final round trip; the rest keep `window`
                     // requests in flight.
+                    let c0 = cpu_now();
                     let (n, el) = if op == PerfOp::Send {
                         rc.one_way(req, dur).await
                     } else {
                         rc.stream(req, resp, window, dur).await
                     }
                     .map_err(err)?;
+                    base.cpu_us_per_op = per_op_us(cpu_now().saturating_sub(c0), n);
                     let secs = el.as_secs_f64();
                     base.ops_per_s = Some(n as f64 / secs);
                     base.mb_per_s = Some(n as f64 * size as f64 / secs / 1e6);
@@ -801,6 +837,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
             if p.baseline {
                 r.lat_ratio = r.p50_us.zip(base.p50_us).map(|(x, b)| x / b);
                 r.bw_ratio = r.mb_per_s.zip(base.mb_per_s).map(|(x, b)| x / b);
+                r.cpu_ratio = r.cpu_us_per_op.zip(base.cpu_us_per_op).map(|(x, b)| x / b);
                 r.baseline = Some(base);
             }
             print_result(a, &r);
@@ -817,6 +854,19 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
     Ok(())
 }
 
+/// The CPU time this process has used, every thread (in loopback mode both
+/// ends of the connection).
+fn cpu_now() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_PROCESS_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
+/// `cpu` spread over `ops` operations, in µs (none without operations).
+fn per_op_us(cpu: Duration, ops: u64) -> Option<f64> {
+    (ops > 0).then(|| cpu.as_secs_f64() * 1e6 / ops as f64)
+}
+
 fn print_result(a: &PerfArgs, r: &PerfResult) {
     if a.json {
         println!("{}", serde_json::to_string(r).expect("serialisable"));
@@ -825,7 +875,7 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
     let f = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     let b = r.baseline.as_ref();
     println!(
-        "{:<10} {:<5} {:>8} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9} {:>10} {:>8}",
+        "{:<10} {:<5} {:>8} {:>9} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8} {:>6}",
         r.transport,
         r.op,
         r.size,
@@ -838,6 +888,8 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
         f(r.lat_ratio, 2),
         f(b.and_then(|b| b.mb_per_s), 1),
         f(r.bw_ratio, 2),
+        f(r.cpu_us_per_op, 2),
+        f(r.cpu_ratio, 2),
     );
     if let Some(c) = &r.rdma {
         println!("#   {c}");

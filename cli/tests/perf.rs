@@ -63,6 +63,19 @@ fn loopback_json_and_svg() {
             (ratio - expect).abs() < 1e-9,
             "ratio is computed from the two p50s"
         );
+        // CPU per operation, for rdmx and for the baseline, and their ratio.
+        let cpu = r["cpu_us_per_op"].as_f64().unwrap();
+        let cpu_b = r["baseline"]["cpu_us_per_op"].as_f64().unwrap();
+        assert!(cpu > 0.0 && cpu_b > 0.0, "{r}");
+        let cpu_x = r["cpu_ratio"].as_f64().unwrap();
+        assert!((cpu_x - cpu / cpu_b).abs() < 1e-9, "{r}");
+        // Every operation runs on the CPU for a while, and no more than the
+        // process's threads can give it: a figure off by a unit would fail.
+        let wall_us = 1e6 / r["ops_per_s"].as_f64().unwrap();
+        assert!(
+            cpu < wall_us * 16.0,
+            "{cpu} µs of CPU per {wall_us} µs op: {r}"
+        );
     }
     let ops: std::collections::BTreeSet<&str> =
         rows.iter().map(|r| r["op"].as_str().unwrap()).collect();

@@ -165,13 +165,16 @@ w("Latency figures are **round trips** of one operation (p50, microseconds). "
 
 w("## rdmx over TCP against raw TCP (interrupt mode)\n")
 w(f"Command: `{cmd('rdmx_irq')}`\n")
-w("| op | size | p50 µs | p99 µs | raw p50 µs | latency × raw | MB/s | raw MB/s | bandwidth × raw | ops/s |")
-w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+w("CPU µs/op is the process's CPU time per operation of the bandwidth run, both ends counted "
+  "(`--loopback` runs them in one process), rdmx's and the raw baseline's.\n")
+w("| op | size | p50 µs | p99 µs | raw p50 µs | latency × raw | MB/s | raw MB/s | bandwidth × raw | ops/s | CPU µs/op | raw CPU µs/op | CPU × raw |")
+w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for r in irq:
     b = r.get("baseline") or {}
     w(f"| {r['op']} | {r['size']} | {f(r['p50_us'])} | {f(r['p99_us'])} | {f(b.get('p50_us'))} | "
       f"{f(r.get('lat_ratio'))} | {f(r['mb_per_s'], 1)} | {f(b.get('mb_per_s'), 1)} | "
-      f"{f(r.get('bw_ratio'))} | {f(r['ops_per_s'], 0)} |")
+      f"{f(r.get('bw_ratio'))} | {f(r['ops_per_s'], 0)} | {f(r.get('cpu_us_per_op'))} | "
+      f"{f(b.get('cpu_us_per_op'))} | {f(r.get('cpu_ratio'))} |")
 w("")
 
 w("## 8-byte round trips against UCX and libfabric\n")

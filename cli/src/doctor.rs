@@ -23,7 +23,7 @@ pub(crate) struct DoctorArgs {
     /// Root of procfs.
     #[arg(long, default_value = "/proc")]
     procfs: PathBuf,
-    /// Skip the wake-up probe (it takes about a second on a slow host).
+    /// Skip the wake-up probe (4000 round trips: a fraction of a second).
     #[arg(long)]
     no_wake_probe: bool,
 }
@@ -304,21 +304,21 @@ pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost, r: &Report) -> Finding {
         c.same_cpu_us
     );
     match c.cross_cpu_us {
-        Some(x) if x > crate::wakeup::SLOW_CROSS_CPU_US => Finding {
-            level: "warn",
-            what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
-            advice: format!(
-                "{}{}",
-                format_args!(
-                    "every hop between processes on different CPUs pays about {:.0} µs here (two \
+        Some(x) if x > crate::wakeup::SLOW_CROSS_CPU_US => {
+            let mut advice = format!(
+                "every hop between processes on different CPUs pays about {:.0} µs here (two \
                  hops per request and reply): latency-bound chains (client -> gateway -> node, \
                  fio -> NBD export -> target) gain from --busy-poll-us, or from running on fewer \
                  CPUs; hosts that keep their CPUs out of deep idle states take a few µs",
-                    x / 2.0
-                ),
-                halt_poll_hint(r)
-            ),
-        },
+                x / 2.0
+            );
+            advice.push_str(&halt_poll_hint(r));
+            Finding {
+                level: "warn",
+                what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
+                advice,
+            }
+        }
         Some(x) => Finding {
             level: "ok",
             what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),

@@ -303,6 +303,7 @@ pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost, r: &Report) -> Finding {
         "waking a thread: {:.1} µs per round trip on one CPU",
         c.same_cpu_us
     );
+    let across = |x: f64| format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds);
     match c.cross_cpu_us {
         Some(x) if x > crate::wakeup::SLOW_CROSS_CPU_US => {
             let mut advice = format!(
@@ -315,13 +316,13 @@ pub(crate) fn wake_finding(c: &crate::wakeup::WakeCost, r: &Report) -> Finding {
             advice.push_str(&halt_poll_hint(r));
             Finding {
                 level: "warn",
-                what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
+                what: across(x),
                 advice,
             }
         }
         Some(x) => Finding {
             level: "ok",
-            what: format!("{same}, {x:.1} µs across CPUs (median of {})", c.rounds),
+            what: across(x),
             advice: "nothing to do".into(),
         },
         None => Finding {

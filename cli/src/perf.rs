@@ -568,11 +568,13 @@ async fn serve_conn(conn: Connection, budget: Budget) -> Result<(), Error> {
     }
 }
 
-fn hist() -> Histogram<u64> {
+/// A latency histogram in nanoseconds, 1 ns to 60 s, three significant digits.
+pub(crate) fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds")
 }
 
-fn us(h: &Histogram<u64>, q: f64) -> Option<f64> {
+/// Quantile `q` of `h` in microseconds (`None` when nothing was recorded).
+pub(crate) fn us(h: &Histogram<u64>, q: f64) -> Option<f64> {
     (!h.is_empty()).then(|| h.value_at_quantile(q) as f64 / 1000.0)
 }
 

@@ -36,7 +36,7 @@ pub(crate) struct WakeCost {
 /// The median round trip of `rounds` one-byte ping-pongs between a thread
 /// on `ping` and one on `pong` (each blocked in `read` until the other
 /// writes). Fails if a byte comes back other than sent.
-pub(crate) fn round_trip_us(ping: CoreId, pong: CoreId, rounds: usize) -> io::Result<f64> {
+fn round_trip_us(ping: CoreId, pong: CoreId, rounds: usize) -> io::Result<f64> {
     let (mut a, mut b) = UnixStream::pair()?;
     let total = WARMUP + rounds;
     let echo = std::thread::spawn(move || -> io::Result<()> {
@@ -48,16 +48,17 @@ pub(crate) fn round_trip_us(ping: CoreId, pong: CoreId, rounds: usize) -> io::Re
         }
         Ok(())
     });
-    let pinger = std::thread::spawn(move || -> io::Result<Vec<f64>> {
+    let pinger = std::thread::spawn(move || -> io::Result<f64> {
         core_affinity::set_for_current(ping);
-        let mut took = Vec::with_capacity(rounds);
+        // Nanoseconds, in the histogram `rdmx perf` keeps its latencies in.
+        let mut took = crate::perf::hist();
         let mut back = [0u8];
         for i in 0..total {
             let sent = [i as u8];
             let t = Instant::now();
             a.write_all(&sent)?;
             a.read_exact(&mut back)?;
-            let us = t.elapsed().as_secs_f64() * 1e6;
+            let ns = t.elapsed().as_nanos() as u64;
             if back != sent {
                 return Err(io::Error::other(format!(
                     "round trip {i}: sent {} and got {} back",
@@ -65,22 +66,18 @@ pub(crate) fn round_trip_us(ping: CoreId, pong: CoreId, rounds: usize) -> io::Re
                 )));
             }
             if i >= WARMUP {
-                took.push(us);
+                took.saturating_record(ns.max(1));
             }
         }
-        Ok(took)
+        crate::perf::us(&took, 0.5)
+            .ok_or_else(|| io::Error::other("the probe measured no round trip"))
     });
-    let took = pinger
+    let median = pinger
         .join()
         .map_err(|_| io::Error::other("the probe's ping thread panicked"))??;
     echo.join()
         .map_err(|_| io::Error::other("the probe's echo thread panicked"))??;
-    Ok(median(took))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    Ok(median)
 }
 
 /// Probe this host with `rounds` round trips per placement: the first CPU
@@ -102,8 +99,8 @@ pub(crate) fn probe(rounds: usize) -> io::Result<WakeCost> {
     })
 }
 
-/// A cross-CPU round trip above this (µs) gets a warning: bare-metal hosts
-/// take well under it.
+/// A cross-CPU round trip above this (µs) gets a warning: hosts that keep
+/// their CPUs out of deep idle states take a few µs.
 pub(crate) const SLOW_CROSS_CPU_US: f64 = 30.0;
 
 #[cfg(test)]
@@ -123,11 +120,5 @@ mod tests {
         } else {
             assert!(c.cross_cpu_us.is_none());
         }
-    }
-
-    #[test]
-    fn the_median_is_the_middle_sample() {
-        assert_eq!(median(vec![5.0, 1.0, 3.0]), 3.0);
-        assert_eq!(median(vec![9.0, 2.0, 4.0, 7.0]), 7.0);
     }
 }

@@ -38,21 +38,44 @@ RDMX=target/release/rdmx
 # algorithm (the sysctl is per namespace), so the host's setting is
 # untouched; BENCH_CC picks another one.
 BENCH_CC=${BENCH_CC:-cubic}
+# pin_cc NS ALGO ROUTE...: make ALGO namespace NS's TCP congestion control.
+# The sysctl works where the host lets namespaces choose ALGO
+# (net.ipv4.tcp_allowed_congestion_control, in the host's namespace only);
+# elsewhere (a host allowing "reno bbr" answers EPERM) each ROUTE of NS
+# that the run's connections take gets `congctl ALGO` instead, which the
+# kernel honours for every TCP connection over it and which changes nothing
+# outside NS.
+pin_cc() {
+  local ns=$1 cc=$2 r
+  shift 2
+  ip netns exec "$ns" sysctl -qw net.ipv4.tcp_congestion_control="$cc" 2>/dev/null && return 0
+  for r in "$@"; do
+    # shellcheck disable=SC2086 # a route is several words
+    ip -n "$ns" route replace $r congctl "$cc" || return 1
+  done
+  echo "bench: $ns: $cc set on its routes (the host lets namespaces choose only: $(sysctl -n net.ipv4.tcp_allowed_congestion_control 2>/dev/null))" >&2
+}
+LO_ROUTES=("local 127.0.0.0/8 dev lo table local proto kernel scope host src 127.0.0.1"
+           "local 127.0.0.1 dev lo table local proto kernel scope host src 127.0.0.1")
 if [ -z "${RDMX_BENCH_NETNS:-}" ] && [ "$(id -u)" = 0 ] && need ip; then
+  # The namespace has no route to the crate registry: every crate the run's
+  # builds need is fetched first.
+  cargo fetch -q
   NS=rdmxbench$$
   ip netns add $NS
   # Deleted however the run ends (an interrupt included), not only after it.
   trap 'ip netns del $NS 2>/dev/null || true' EXIT
   rc=0
-  if ip -n $NS link set lo up && ip netns exec $NS sysctl -qw net.ipv4.tcp_congestion_control="$BENCH_CC"; then
-    RDMX_BENCH_NETNS=$NS ip netns exec $NS bash "$PWD/bench/run.sh" "$@" || rc=$?
+  if ip -n $NS link set lo up && pin_cc $NS "$BENCH_CC" "${LO_ROUTES[@]}"; then
+    RDMX_BENCH_NETNS=$NS RDMX_BENCH_CC=$BENCH_CC ip netns exec $NS bash "$PWD/bench/run.sh" "$@" || rc=$?
   else
     echo "bench: could not set up network namespace $NS with $BENCH_CC" >&2
     rc=1
   fi
   exit $rc
 fi
-CC=$(sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null || echo unknown)
+# The namespace's algorithm: its sysctl, or the one pinned on its routes.
+CC=${RDMX_BENCH_CC:-$(sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null || echo unknown)}
 echo "$CC" >> "$OUT/run.info"
 echo "TCP congestion control for this run: $CC${RDMX_BENCH_NETNS:+ (network namespace $RDMX_BENCH_NETNS)}" >&2
 if [ -n "${QUICK:-}" ]; then DUR=200; ITERS=500; UN=2000; FI=500; else DUR=1000; ITERS=5000; UN=20000; FI=10000; fi
@@ -200,8 +223,6 @@ if [ "$(id -u)" = 0 ] && need nft && need ip; then
   ip -n $NA addr add 198.18.1.1/24 dev rdmxbva && ip -n $NB addr add 198.18.1.2/24 dev rdmxbvb
   for n in $NA $NB; do
     ip -n $n link set lo up
-    # (a new namespace starts with the host's algorithm, not ours)
-    ip netns exec $n sysctl -qw net.ipv4.tcp_congestion_control="$CC" || true
     ip netns exec $n nft add table inet rdmx
     ip netns exec $n nft add chain inet rdmx input '{ type filter hook input priority 0 ; }'
   done
@@ -209,6 +230,9 @@ if [ "$(id -u)" = 0 ] && need nft && need ip; then
   # not 64 KiB bursts of them.
   ip -n $NA link set rdmxbva gso_max_segs 1 && ip -n $NB link set rdmxbvb gso_max_segs 1
   ip -n $NA link set rdmxbva up && ip -n $NB link set rdmxbvb up
+  # (a new namespace starts with the host's algorithm, not ours)
+  pin_cc $NA "$CC" "198.18.1.0/24 dev rdmxbva proto kernel scope link src 198.18.1.1" || true
+  pin_cc $NB "$CC" "198.18.1.0/24 dev rdmxbvb proto kernel scope link src 198.18.1.2" || true
   ip netns exec $NB $RDMX soak server --listen 198.18.1.2:7500 > /dev/null 2>&1 &
   SOAK_RDMA=$!
   ip netns exec $NB $RDMX soak server --transport tcp --listen 198.18.1.2:7501 > /dev/null 2>&1 &

@@ -52,6 +52,13 @@ pub(crate) struct Report {
     /// With the haltpoll driver: how long an idle vCPU polls before it
     /// halts (0: at once, and every wake-up is a VM exit and entry).
     pub(crate) guest_halt_poll_ns: Option<u64>,
+    /// TCP's congestion control in this network namespace
+    /// (`net.ipv4.tcp_congestion_control`), which every `tcp://` connection
+    /// and TCP baseline runs under.
+    pub(crate) tcp_congestion_control: Option<String>,
+    /// The algorithms a network namespace other than the host's may choose
+    /// (`net.ipv4.tcp_allowed_congestion_control`).
+    pub(crate) tcp_allowed_congestion_control: Option<String>,
     /// The wake-up probe's figures (absent when skipped or failed).
     pub(crate) wake: Option<crate::wakeup::WakeCost>,
     pub(crate) findings: Vec<Finding>,
@@ -282,6 +289,14 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
             );
         }
     }
+    let tcp_congestion_control = read(&procfs.join("sys/net/ipv4/tcp_congestion_control"));
+    let tcp_allowed_congestion_control =
+        read(&procfs.join("sys/net/ipv4/tcp_allowed_congestion_control"));
+    if let Some(cc) = tcp_congestion_control.as_deref() {
+        if let Some(finding) = congestion_finding(cc, tcp_allowed_congestion_control.as_deref()) {
+            findings.push(finding);
+        }
+    }
     Report {
         devices,
         provider,
@@ -289,9 +304,47 @@ pub(crate) fn report(sysfs_root: &Path, procfs: &Path, hw: Hw) -> Report {
         rmem_max,
         cpuidle_driver,
         guest_halt_poll_ns,
+        tcp_congestion_control,
+        tcp_allowed_congestion_control,
         wake: None,
         findings,
     }
+}
+
+/// TCP under BBR: a finding for whoever measures `tcp://` (or any TCP
+/// baseline) on this host. BBR paces every connection at the rate it
+/// estimates, loopback and a short datacenter path included, and on the
+/// VM this project is measured on that estimate settled by chance per
+/// connection: a 1 MiB round trip took about 200 µs on one and about
+/// 500 µs on the next, raw TCP and rdmx alike (BENCHMARKS.md's runs pin
+/// cubic). `allowed` is the list a network namespace may choose from.
+fn congestion_finding(cc: &str, allowed: Option<&str>) -> Option<Finding> {
+    if cc != "bbr" {
+        return None;
+    }
+    let in_namespace = match allowed {
+        Some(list) if list.split_whitespace().any(|a| a == "cubic") => {
+            "a network namespace may set its own the same way".to_string()
+        }
+        Some(list) => format!(
+            "a network namespace may choose only \"{list}\" here, so pin it per route there \
+             (ip route replace <route> congctl cubic)"
+        ),
+        None => {
+            "a network namespace may need the route form (ip route replace <route> congctl cubic)"
+                .into()
+        }
+    };
+    Some(Finding {
+        level: "info",
+        what: "TCP congestion control is bbr".into(),
+        advice: format!(
+            "BBR paces even loopback at a rate each connection estimates, so large tcp:// \
+             transfers and raw-TCP baselines can differ 2-3x from one connection to the next; \
+             to compare runs, run every one under one algorithm \
+             (sysctl -w net.ipv4.tcp_congestion_control=cubic); {in_namespace}"
+        ),
+    })
 }
 
 /// The wake-up probe's finding: its figures, and a warning where waking a
@@ -450,6 +503,56 @@ mod tests {
         assert!(
             !r.findings.iter().any(|f| f.what.contains("memlock")),
             "memlock only matters with a NIC"
+        );
+    }
+
+    #[test]
+    fn bbr_gets_a_note_on_pacing_and_how_to_pin_one_algorithm() {
+        let (s, p) = (tmp("s3"), tmp("p3"));
+        proc_tree(&p, 8192, 16 << 20);
+        let ipv4 = p.join("sys/net/ipv4");
+        std::fs::create_dir_all(&ipv4).unwrap();
+        std::fs::write(ipv4.join("tcp_congestion_control"), "bbr\n").unwrap();
+        std::fs::write(ipv4.join("tcp_allowed_congestion_control"), "reno bbr\n").unwrap();
+        let r = report(&s, &p, Hw::NotBuilt);
+        assert_eq!(r.tcp_congestion_control.as_deref(), Some("bbr"));
+        assert_eq!(
+            r.tcp_allowed_congestion_control.as_deref(),
+            Some("reno bbr")
+        );
+        let f = r
+            .findings
+            .iter()
+            .find(|f| f.what == "TCP congestion control is bbr")
+            .expect("a finding for bbr");
+        assert_eq!(f.level, "info");
+        assert!(
+            f.advice.contains("net.ipv4.tcp_congestion_control=cubic"),
+            "{f:?}"
+        );
+        assert!(
+            f.advice.contains("only \"reno bbr\"") && f.advice.contains("congctl cubic"),
+            "{f:?}"
+        );
+
+        // cubic allowed in namespaces: no route detour in the advice.
+        std::fs::write(
+            ipv4.join("tcp_allowed_congestion_control"),
+            "reno cubic bbr\n",
+        )
+        .unwrap();
+        let r = report(&s, &p, Hw::NotBuilt);
+        let f = r.findings.iter().find(|f| f.what.contains("bbr")).unwrap();
+        assert!(!f.advice.contains("congctl"), "{f:?}");
+
+        // Another algorithm: nothing to say.
+        std::fs::write(ipv4.join("tcp_congestion_control"), "cubic\n").unwrap();
+        let r = report(&s, &p, Hw::NotBuilt);
+        assert_eq!(r.tcp_congestion_control.as_deref(), Some("cubic"));
+        assert!(
+            !r.findings.iter().any(|f| f.what.contains("congestion")),
+            "{:?}",
+            r.findings
         );
     }
 

@@ -416,6 +416,16 @@ fn doctor_reads_a_fake_sysfs_tree() {
     assert!(findings
         .iter()
         .any(|f| f["what"].as_str().unwrap().starts_with("waking a thread: ")));
+    // TCP's congestion control, as this host's procfs has it.
+    let cc = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .ok()
+        .map(|s| s.trim().to_string());
+    assert_eq!(
+        j["tcp_congestion_control"].as_str().map(str::to_string),
+        cc,
+        "{}",
+        j["tcp_congestion_control"]
+    );
     // And it can be skipped.
     let out = rdmx()
         .args(["doctor", "--json", "--no-wake-probe", "--sysfs"])

@@ -631,8 +631,9 @@ w("")
 if rounds_1m:
     w(f"The 1 MiB single-operation targets are medians of the per-round ratios to raw TCP over "
       f"interleaved rounds of `{cmd('rdmx_lat1m_r1')}`.\n")
-w("![latency and bandwidth against size](bench/perf-tcp.svg)\n")
-w("`bench/perf-tcp.svg` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg bench/perf-tcp.svg` in the same run.\n")
+SVG = os.environ.get("BENCH_SVG", "bench/perf-tcp.svg")
+w(f"![latency and bandwidth against size]({SVG})\n")
+w(f"`{SVG}` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg {SVG}` in the same run.\n")
 
 
 def redis_csv(name):

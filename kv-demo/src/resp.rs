@@ -59,37 +59,60 @@ pub fn decode(buf: &mut BytesMut, max_bulk: usize) -> Result<Option<Vec<Bytes>>,
         buf.advance(at);
         return Ok(Some(Vec::new()));
     }
-    // First find where every argument ends; consume only a whole request.
-    let mut spans = Vec::with_capacity(count.min(1024) as usize);
+    // First find where every argument ends (checking each header); consume
+    // only a whole request.
+    let first = at;
     for _ in 0..count {
-        let rest = &buf[at..];
-        if rest.is_empty() {
-            return Ok(None);
+        match bulk_at(buf, at, max_bulk)? {
+            Some(span) => at = span.end + 2,
+            None => return Ok(None),
         }
-        if rest[0] != b'$' {
-            return Err(ProtocolError(format!(
-                "expected '$', got '{}'",
-                rest[0] as char
-            )));
-        }
-        let Some(l) = line(&rest[..rest.len().min(MAX_LINE + 2)]) else {
-            if rest.len() > MAX_LINE {
-                return Err(err("too big bulk count string"));
-            }
-            return Ok(None);
-        };
-        let len = number(&l[1..])
-            .filter(|&n| n >= 0 && n as u64 <= max_bulk as u64)
-            .ok_or_else(|| err("invalid bulk length"))? as usize;
-        let start = at + l.len() + 2;
-        if buf.len() < start + len + 2 {
-            return Ok(None);
-        }
-        spans.push(start..start + len);
-        at = start + len + 2;
     }
+    // Then take them (the headers passed: this walk cannot fail), without a
+    // list of spans kept in between: one allocation per request.
     let all = buf.split_to(at).freeze();
-    Ok(Some(spans.into_iter().map(|r| all.slice(r)).collect()))
+    let mut args = Vec::with_capacity(count as usize);
+    let mut at = first;
+    while at < all.len() {
+        let span = bulk_at(&all, at, max_bulk)?.ok_or_else(|| err("truncated request"))?;
+        at = span.end + 2;
+        args.push(all.slice(span));
+    }
+    Ok(Some(args))
+}
+
+/// The bulk string whose `$len\r\n` header starts at `at` in `buf`: the
+/// range of its bytes, or `None` while it has not all arrived (its `\r\n`
+/// included).
+fn bulk_at(
+    buf: &[u8],
+    at: usize,
+    max_bulk: usize,
+) -> Result<Option<std::ops::Range<usize>>, ProtocolError> {
+    let rest = &buf[at..];
+    if rest.is_empty() {
+        return Ok(None);
+    }
+    if rest[0] != b'$' {
+        return Err(ProtocolError(format!(
+            "expected '$', got '{}'",
+            rest[0] as char
+        )));
+    }
+    let Some(l) = line(&rest[..rest.len().min(MAX_LINE + 2)]) else {
+        if rest.len() > MAX_LINE {
+            return Err(err("too big bulk count string"));
+        }
+        return Ok(None);
+    };
+    let len = number(&l[1..])
+        .filter(|&n| n >= 0 && n as u64 <= max_bulk as u64)
+        .ok_or_else(|| err("invalid bulk length"))? as usize;
+    let start = at + l.len() + 2;
+    if buf.len() < start + len + 2 {
+        return Ok(None);
+    }
+    Ok(Some(start..start + len))
 }
 
 /// An inline request: one line, arguments separated by spaces (what telnet

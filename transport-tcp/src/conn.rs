@@ -16,6 +16,7 @@ use rdmx_core::{
     RawConnection, RemoteRegion, Result, Support,
 };
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Notify, Semaphore, SemaphorePermit};
@@ -494,9 +495,10 @@ impl Shared {
         if !self.claim_or_queue(|q| q.push_back(slot.take().expect("frame")))? {
             return Ok(());
         }
-        let mut one = VecDeque::from([slot.take().expect("frame")]);
-        let res = write_some(&self.stream, &self.stats, &self.answers_queued, &mut one);
-        self.release_direct(one.into_iter(), res);
+        let mut frame = slot.take().expect("frame");
+        let res = write_one(&self.stream, &self.stats, &self.answers_queued, &mut frame);
+        let rest = (frame.remaining() > 0).then_some(frame);
+        self.release_direct(rest.into_iter(), res);
         Ok(())
     }
 
@@ -1027,11 +1029,7 @@ impl Shared {
             pending.len() > 1
         };
         // Removes the waiter if this future is dropped before the response.
-        let _guard = PendingGuard {
-            shared: self,
-            id,
-            sink: has_sink,
-        };
+        let mut guard = PendingGuard::new(self, id, 1, has_sink);
         if let Some(e) = self.closed_error() {
             return Err(e);
         }
@@ -1042,13 +1040,16 @@ impl Shared {
         } else {
             self.enqueue(frame)?;
         }
-        rx.await.map_err(|_| self.disconnected())
+        let resp = rx.await.map_err(|_| self.disconnected())?;
+        guard.answered();
+        Ok(resp)
     }
 
     async fn read(self: Arc<Self>, src: RemoteRegion) -> Result<Bytes> {
         check_rdma_len(src.len)?;
         let _permit = self.inflight_permit().await?;
-        if pieces(src.len).len() == 1 {
+        if src.len <= MAX_PIECE {
+            // One piece (the common case): no list of them to build.
             return self.read_piece(src, 0, src.len, None).await;
         }
         // Every piece lands in one buffer, in place.
@@ -1091,20 +1092,18 @@ impl Shared {
             .map_err(|_| self.disconnected())?;
         let mut frames = Vec::with_capacity(srcs.len());
         let mut waits = Vec::with_capacity(srcs.len());
-        let mut guards = Vec::with_capacity(srcs.len());
+        // One block of ids, so one guard covers the batch.
+        let count = srcs.len() as u64;
+        let first = self.next_id.fetch_add(count, Ordering::Relaxed);
+        let mut guard = PendingGuard::new(&self, first, count, false);
         let others_in_flight = {
             let mut pending = self.pending.lock();
             let before = pending.len();
-            for src in &srcs {
+            for (src, id) in srcs.iter().zip(first..) {
                 let mut h = read_header(src, 0, src.len);
-                h.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                h.id = id;
                 let (tx, rx) = oneshot::channel();
-                pending.insert(h.id, tx);
-                guards.push(PendingGuard {
-                    shared: &self,
-                    id: h.id,
-                    sink: false,
-                });
+                pending.insert(id, tx);
                 waits.push(rx);
                 frames.push(OutFrame::new(h, Bytes::new()));
             }
@@ -1125,7 +1124,7 @@ impl Shared {
             self.check_read_response(r.payload.len(), src.len)?;
             out.push(r.payload);
         }
-        drop(guards);
+        guard.answered();
         Ok(out)
     }
 
@@ -1182,8 +1181,24 @@ impl Shared {
 
     /// A slot of the connection's operations in flight.
     async fn inflight_permit(&self) -> Result<SemaphorePermit<'_>> {
+        // A free slot is taken at once (tokio's semaphore hands released
+        // permits to queued waiters first, so this never jumps the queue).
+        if let Ok(p) = self.inflight.try_acquire() {
+            return Ok(p);
+        }
         self.inflight
             .acquire()
+            .await
+            .map_err(|_| self.disconnected())
+    }
+
+    /// `bytes` of the read budget ([`READ_OUTSTANDING`]), waiting while it is spent.
+    async fn read_budget_permit(&self, bytes: u32) -> Result<SemaphorePermit<'_>> {
+        if let Ok(p) = self.read_budget.try_acquire_many(bytes) {
+            return Ok(p);
+        }
+        self.read_budget
+            .acquire_many(bytes)
             .await
             .map_err(|_| self.disconnected())
     }
@@ -1198,11 +1213,7 @@ impl Shared {
         len: u64,
         sink: Option<(&ReadSink, usize)>,
     ) -> Result<Bytes> {
-        let _budget = self
-            .read_budget
-            .acquire_many(len.max(1) as u32)
-            .await
-            .map_err(|_| self.disconnected())?;
+        let _budget = self.read_budget_permit(len.max(1) as u32).await?;
         let h = read_header(&src, off, len);
         let r = self
             .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)))
@@ -1227,8 +1238,21 @@ impl Shared {
         let _permit = self.inflight_permit().await?;
         if imm.is_some() {
             // A write-with-immediate consumes one of the peer's receive credits.
-            let _order = self.send_order.lock().await;
+            let _order = self.send_turn().await;
             self.take_credit(0).await?;
+        }
+        if dst.len <= MAX_PIECE {
+            // One piece (the common case): sent and awaited as is.
+            let mut h = Header::new(Kind::Write);
+            h.addr = dst.addr;
+            h.rkey = dst.rkey;
+            h.a = dst.len;
+            h.flags |= FLAG_LAST;
+            if let Some(v) = imm {
+                h.flags |= FLAG_IMM;
+                h.imm = v;
+            }
+            return status(self.request(h, data).await?.status);
         }
         let pieces = pieces(dst.len);
         let last = pieces.len() - 1;
@@ -1274,14 +1298,17 @@ impl Shared {
         self.check_message(len)?;
         let _permit = self.inflight_permit().await?;
         // FIFO with other senders; nothing is queued before the credit is ours.
-        let order = self.send_order.lock().await;
+        let order = self.send_turn().await;
         self.take_credit(len).await?;
         let mut frames = Vec::new();
         let mut waits = Vec::new();
-        let mut guards = Vec::new();
-        for (off, plen) in pieces(dst.len) {
+        let parts = pieces(dst.len);
+        let count = parts.len() as u64;
+        let first = self.next_id.fetch_add(count, Ordering::Relaxed);
+        let mut guard = PendingGuard::new(&self, first, count, false);
+        for ((off, plen), id) in parts.into_iter().zip(first..) {
             let mut h = Header::new(Kind::Write);
-            h.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            h.id = id;
             h.addr = dst.addr;
             h.rkey = dst.rkey;
             h.a = dst.len;
@@ -1293,11 +1320,6 @@ impl Shared {
             }
             let (tx, rx) = oneshot::channel();
             self.pending.lock().insert(h.id, tx);
-            guards.push(PendingGuard {
-                shared: &self,
-                id: h.id,
-                sink: false,
-            });
             waits.push(rx);
             self.stats.add(|s| &s.bytes_sent, plen);
             frames.push(OutFrame::new(
@@ -1313,7 +1335,7 @@ impl Shared {
             let r = rx.await.map_err(|_| self.disconnected())?;
             status(r.status)?;
         }
-        drop(guards);
+        guard.answered();
         Ok(())
     }
 
@@ -1363,6 +1385,10 @@ impl Shared {
 
     /// Take one message credit and `bytes` of window, waiting while there are none.
     async fn take_credit(&self, bytes: u64) -> Result<()> {
+        // The common case, credit at hand: no waiter registered.
+        if self.closed.lock().is_none() && self.try_take_credit(bytes) {
+            return Ok(());
+        }
         let mut stalled = false;
         loop {
             let notified = self.credit_wake.notified();
@@ -1392,10 +1418,19 @@ impl Shared {
         let len = msg.len() as u64;
         self.check_message(len)?;
         // FIFO among concurrent senders; dropping while waiting sends nothing.
-        let _order = self.send_order.lock().await;
+        let _order = self.send_turn().await;
         self.take_credit(len).await?;
         self.stats.add(|s| &s.bytes_sent, len);
         self.enqueue(OutFrame::new(Header::new(Kind::Send), msg))
+    }
+
+    /// This sender's turn among concurrent ones (FIFO: a free lock is only
+    /// taken at once when nobody queues for it).
+    async fn send_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        match self.send_order.try_lock() {
+            Ok(turn) => turn,
+            Err(_) => self.send_order.lock().await,
+        }
     }
 
     /// Several messages in order, in as few `writev`s as credits allow: the
@@ -1406,7 +1441,7 @@ impl Shared {
         for m in &msgs {
             self.check_message(m.len() as u64)?;
         }
-        let _order = self.send_order.lock().await;
+        let _order = self.send_turn().await;
         let mut ready = Vec::with_capacity(msgs.len());
         for msg in msgs {
             let len = msg.len() as u64;
@@ -1421,10 +1456,34 @@ impl Shared {
     }
 
     async fn recv(self: Arc<Self>) -> Result<Incoming> {
+        // Something queued already: taken without registering as a waiter.
+        if let Some(item) = self.try_recv() {
+            return Ok(item);
+        }
         loop {
             let notified = self.recv_wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // Registered first, then looked again: a delivery in between
+            // finds the waiter (no wake-up is lost).
+            if let Some(item) = self.try_recv() {
+                return Ok(item);
+            }
+            if let Some(e) = self.closed_error() {
+                return Err(e);
+            }
+            notified.await;
+            // Woken by a delivery (the usual case): taken before registering again.
+            if let Some(item) = self.try_recv() {
+                return Ok(item);
+            }
+        }
+    }
+
+    /// Take the next received message or notice, if one is queued (and
+    /// return credits to the peer when a batch of them is due).
+    fn try_recv(&self) -> Option<Incoming> {
+        {
             let credit_frame = {
                 let mut r = self.recv.lock();
                 match r.queue.pop_front() {
@@ -1454,21 +1513,12 @@ impl Shared {
                     None => None,
                 }
             };
-            match credit_frame {
-                Some((item, frame)) => {
-                    if let Some(h) = frame {
-                        // Best effort: if the connection died, the next call says so.
-                        let _ = self.enqueue(OutFrame::new(h, Bytes::new()));
-                    }
-                    return Ok(item);
-                }
-                None => {
-                    if let Some(e) = self.closed_error() {
-                        return Err(e);
-                    }
-                }
+            let (item, frame) = credit_frame?;
+            if let Some(h) = frame {
+                // Best effort: if the connection died, the next call says so.
+                let _ = self.enqueue(OutFrame::new(h, Bytes::new()));
             }
-            notified.await;
+            Some(item)
         }
     }
 
@@ -1508,18 +1558,54 @@ impl Shared {
 /// How long a graceful close waits for the peer to close its side.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
 
+/// Removes the waiters of requests `first..first + count` (and their
+/// [`ReadSink`]s) when their operation ends before every response came:
+/// it was dropped, or it failed part-way. Once every response has come, the
+/// reader has removed each waiter as it answered it: nothing is left to
+/// take, so an answered operation does not lock the table again.
 struct PendingGuard<'a> {
     shared: &'a Shared,
-    id: u64,
-    /// The request registered a [`ReadSink`] too.
+    first: u64,
+    count: u64,
+    /// The requests registered [`ReadSink`]s too.
     sink: bool,
+    /// Every response came ([`PendingGuard::answered`]).
+    answered: bool,
+}
+
+impl<'a> PendingGuard<'a> {
+    fn new(shared: &'a Shared, first: u64, count: u64, sink: bool) -> Self {
+        PendingGuard {
+            shared,
+            first,
+            count,
+            sink,
+            answered: false,
+        }
+    }
+
+    /// Every request's response came (the reader took each waiter out).
+    fn answered(&mut self) {
+        self.answered = true;
+    }
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
-        self.shared.pending.lock().remove(&self.id);
+        let ids = self.first..self.first + self.count;
+        if !self.answered {
+            let mut pending = self.shared.pending.lock();
+            for id in ids.clone() {
+                pending.remove(&id);
+            }
+        }
+        // A sink stays registered when its response came small (with other
+        // frames, copied in by the waiter): always removed here.
         if self.sink {
-            self.shared.sinks.lock().remove(&self.id);
+            let mut sinks = self.shared.sinks.lock();
+            for id in ids {
+                sinks.remove(&id);
+            }
         }
     }
 }
@@ -1624,7 +1710,8 @@ fn write_some(
             .last()
             .and_then(|f| f.source.as_ref())
             .map(|(src, _)| src.lock());
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(take.min(frames.len()) * 2);
+        // Most writes carry a frame or two: their slices stay on the stack.
+        let mut iov: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
         for f in frames.iter().take(take) {
             if f.hdr_pos < HEADER_LEN {
                 iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
@@ -1643,22 +1730,7 @@ fn write_some(
         let mut n = res?;
         while n > 0 {
             let f = frames.front_mut().expect("written bytes belong to a frame");
-            let h = (HEADER_LEN - f.hdr_pos).min(n);
-            f.hdr_pos += h;
-            n -= h;
-            let p = f.payload.len().min(n);
-            f.payload.advance(p);
-            n -= p;
-            let mut taken = h + p;
-            if let Some((src, pos)) = &mut f.source {
-                let s = (src.len() - *pos).min(n);
-                *pos += s;
-                n -= s;
-                taken += s;
-            }
-            if f.answer {
-                answers_queued.fetch_sub(taken, Ordering::Relaxed);
-            }
+            consume(f, &mut n, answers_queued);
             if f.remaining() == 0 {
                 frames.pop_front();
             }
@@ -1669,6 +1741,57 @@ fn write_some(
         }
     }
     Ok(())
+}
+
+/// [`write_some`] for one frame, which stays the caller's (no queue to
+/// build for the most common write, a lone small frame): written until done
+/// or the socket is full.
+fn write_one(
+    stream: &TcpStream,
+    stats: &Stats,
+    answers_queued: &AtomicUsize,
+    f: &mut OutFrame,
+) -> io::Result<()> {
+    while f.remaining() > 0 {
+        let guard = f.source.as_ref().map(|(src, _)| src.lock());
+        let mut iov: SmallVec<[IoSlice<'_>; 3]> = SmallVec::new();
+        if f.hdr_pos < HEADER_LEN {
+            iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
+        }
+        if !f.payload.is_empty() {
+            iov.push(IoSlice::new(&f.payload));
+        }
+        if let (Some((_, pos)), Some(g)) = (&f.source, &guard) {
+            iov.push(IoSlice::new(&g[*pos..]));
+        }
+        stats.add(|s| &s.socket_writes, 1);
+        let res = stream.try_write_vectored(&iov);
+        drop(iov);
+        drop(guard);
+        let mut n = res?;
+        consume(f, &mut n, answers_queued);
+    }
+    Ok(())
+}
+
+/// Mark up to `n` written bytes of `f` as sent, taking them off `n`.
+fn consume(f: &mut OutFrame, n: &mut usize, answers_queued: &AtomicUsize) {
+    let h = (HEADER_LEN - f.hdr_pos).min(*n);
+    f.hdr_pos += h;
+    *n -= h;
+    let p = f.payload.len().min(*n);
+    f.payload.advance(p);
+    *n -= p;
+    let mut taken = h + p;
+    if let Some((src, pos)) = &mut f.source {
+        let s = (src.len() - *pos).min(*n);
+        *pos += s;
+        *n -= s;
+        taken += s;
+    }
+    if f.answer {
+        answers_queued.fetch_sub(taken, Ordering::Relaxed);
+    }
 }
 
 impl RawConnection for TcpConnection {

@@ -1713,18 +1713,9 @@ fn write_some(
         // Most writes carry a frame or two: their slices stay on the stack.
         let mut iov: SmallVec<[IoSlice<'_>; 8]> = SmallVec::new();
         for f in frames.iter().take(take) {
-            if f.hdr_pos < HEADER_LEN {
-                iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
-            }
-            if !f.payload.is_empty() {
-                iov.push(IoSlice::new(&f.payload));
-            }
-            if let (Some((_, pos)), Some(g)) = (&f.source, &guard) {
-                iov.push(IoSlice::new(&g[*pos..]));
-            }
+            push_slices(&mut iov, f, guard.as_deref());
         }
-        stats.add(|s| &s.socket_writes, 1);
-        let res = stream.try_write_vectored(&iov);
+        let res = try_writev(stream, stats, &iov);
         drop(iov);
         drop(guard);
         let mut n = res?;
@@ -1755,23 +1746,40 @@ fn write_one(
     while f.remaining() > 0 {
         let guard = f.source.as_ref().map(|(src, _)| src.lock());
         let mut iov: SmallVec<[IoSlice<'_>; 3]> = SmallVec::new();
-        if f.hdr_pos < HEADER_LEN {
-            iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
-        }
-        if !f.payload.is_empty() {
-            iov.push(IoSlice::new(&f.payload));
-        }
-        if let (Some((_, pos)), Some(g)) = (&f.source, &guard) {
-            iov.push(IoSlice::new(&g[*pos..]));
-        }
-        stats.add(|s| &s.socket_writes, 1);
-        let res = stream.try_write_vectored(&iov);
+        push_slices(&mut iov, f, guard.as_deref());
+        let res = try_writev(stream, stats, &iov);
         drop(iov);
         drop(guard);
         let mut n = res?;
         consume(f, &mut n, answers_queued);
     }
     Ok(())
+}
+
+/// One counted `writev` of `iov` (non-blocking).
+fn try_writev(stream: &TcpStream, stats: &Stats, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+    stats.add(|s| &s.socket_writes, 1);
+    stream.try_write_vectored(iov)
+}
+
+/// The slices of `f` still to write: the rest of its header, its payload,
+/// and the rest of its region source (`region`: that source's bytes, locked).
+fn push_slices<'a, const N: usize>(
+    iov: &mut SmallVec<[IoSlice<'a>; N]>,
+    f: &'a OutFrame,
+    region: Option<&'a [u8]>,
+) where
+    [IoSlice<'a>; N]: smallvec::Array<Item = IoSlice<'a>>,
+{
+    if f.hdr_pos < HEADER_LEN {
+        iov.push(IoSlice::new(&f.hdr[f.hdr_pos..]));
+    }
+    if !f.payload.is_empty() {
+        iov.push(IoSlice::new(&f.payload));
+    }
+    if let (Some((_, pos)), Some(g)) = (&f.source, region) {
+        iov.push(IoSlice::new(&g[*pos..]));
+    }
 }
 
 /// Mark up to `n` written bytes of `f` as sent, taking them off `n`.

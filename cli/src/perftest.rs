@@ -475,6 +475,9 @@ pub(crate) async fn run(r: PerftestRun) -> Result<(), Error> {
                 retry_cnt: 7,
                 rnr_retry: 7,
             },
+            // perftest keeps its peer's out_reads outstanding and serves its
+            // own: the smaller serves both directions.
+            max_rd_atomic: u32::from(OUT_READS.min(peer.out_reads).max(1)),
         },
         mine.psn,
     )?;

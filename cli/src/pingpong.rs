@@ -166,6 +166,8 @@ pub(crate) async fn run(a: PingpongArgs) -> Result<(), Error> {
                     retry_cnt: 7,
                     rnr_retry: 7,
                 },
+                // rc_pingpong sets max_rd_atomic 1 and sends no READs.
+                max_rd_atomic: 1,
             },
             mine.psn,
         )

@@ -2278,6 +2278,45 @@ fn max_rd_atomic_bounds_reads_in_flight() {
     assert_eq!(done, [(1, 100), (2, 101), (3, 102), (4, 103)]);
 }
 
+/// The READ/atomic depth agreed at connect (`set_max_rd_atomic`, the
+/// smaller of the two ends' limits) replaces the configured one, bounds
+/// atomics and READs alike, and is refused once the QP sends.
+#[test]
+fn max_rd_atomic_set_at_connect_bounds_reads_and_atomics() {
+    let cfg = QpConfig {
+        pmtu: 256,
+        timeout: 10,
+        dcqcn: None,
+        ..QpConfig::default()
+    };
+    let mut a = rdmx_roce_proto::Qp::new(cfg, 0x11);
+    a.to_init().unwrap();
+    a.set_max_rd_atomic(3).unwrap();
+    a.to_rtr(0x22, 100).unwrap();
+    a.to_rts(500).unwrap();
+    assert!(a.set_max_rd_atomic(64).is_err(), "changed while sending");
+    for wr in 1..=40u64 {
+        let req = if wr % 2 == 0 {
+            WorkRequest::Read {
+                va: 0x1000 * wr,
+                rkey: 5,
+                len: 256,
+            }
+        } else {
+            WorkRequest::Atomic {
+                op: rdmx_roce_proto::Atomic::FetchAdd { add: 1 },
+                va: 0x1000 * wr,
+                rkey: 5,
+            }
+        };
+        a.post_send(wr, req).unwrap();
+    }
+    let sent: Vec<u32> = std::iter::from_fn(|| a.poll_transmit(0))
+        .map(|p| p.bth.psn)
+        .collect();
+    assert_eq!(sent, [500, 501, 502], "three requests in flight, not 16");
+}
+
 /// `rdmx soak`'s shape: one 1 MiB WRITE, then its READ back, one operation
 /// at a time, over a lossy link. Here every tail counts: a lost last packet
 /// or last ACK, a lost READ request, a lost re-ask or a lost answer to one

@@ -2,8 +2,8 @@
 //!
 //! ```text
 //! TCP:  handshake (magic, version, limits, auth)  ─> PARAMS (version 2, 40 B: QPN, PSN, GID,
-//!       UDP port, MTU, SR, bundles, ACK timeout, retry and RNR retry counts; both ends
-//!       use the smaller MTU and the more patient timers)
+//!       UDP port, MTU, SR, bundles, ACK timeout, retry and RNR retry counts, READ/atomic
+//!       depth; both ends use the smaller MTU and depth and the more patient timers)
 //!       ─> READY; then the TCP stream stays as the control channel:
 //!       CREDIT (receives re-posted), CLASSIFY (why was an access refused?),
 //!       RESET / RESET_ACK / NEED_RESET (replace a QP that went to ERROR), CLOSE.
@@ -67,7 +67,14 @@ pub(crate) struct Params {
     pub(crate) mtu: u32,
     pub(crate) gid: IpAddr,
     pub(crate) timers: QpTimers,
+    /// READ/atomic requests this end keeps outstanding and serves
+    /// outstanding (1..=255; the path takes the smaller of the two).
+    pub(crate) max_rd_atomic: u8,
 }
+
+/// The READ/atomic depth of a version-2 peer built before PARAMS carried
+/// one (its last byte was zero then, and both ends used this).
+const LEGACY_MAX_RD_ATOMIC: u8 = 16;
 
 impl Params {
     fn encode(&self) -> [u8; PARAMS_LEN] {
@@ -89,7 +96,7 @@ impl Params {
         b.put_u8(self.timers.timeout);
         b.put_u8(self.timers.retry_cnt);
         b.put_u8(self.timers.rnr_retry);
-        b.put_u8(0);
+        b.put_u8(self.max_rd_atomic);
         b.try_into().expect("40 bytes")
     }
 
@@ -133,6 +140,10 @@ impl Params {
                 "peer offered QP timers {timers:?}"
             )));
         }
+        let max_rd_atomic = match r.get_u8() {
+            0 => LEGACY_MAX_RD_ATOMIC,
+            n => n,
+        };
         Ok(Params {
             version,
             selective_repeat: flags & FLAG_SR != 0,
@@ -143,6 +154,7 @@ impl Params {
             mtu,
             gid: IpAddr::V6(g.into()).to_canonical(),
             timers,
+            max_rd_atomic,
         })
     }
 }
@@ -520,6 +532,10 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         mtu: port.mtu,
         gid: port.gid,
         timers: QpTimers::of(&qp_opts),
+        max_rd_atomic: qp_opts
+            .max_rd_atomic
+            .min(port.max_rd_atomic)
+            .clamp(1, u32::from(u8::MAX)) as u8,
     };
     let exchange = async {
         let mut theirs = [0u8; PARAMS_LEN];
@@ -552,11 +568,12 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     let info = ConnectionInfo {
         transport: "rdma".into(),
         provider: format!(
-            "{} (QPN {:#x} -> {:#x}, MTU {}, {mode})",
+            "{} (QPN {:#x} -> {:#x}, MTU {}, {mode}, {} READs/atomics outstanding)",
             provider.device_name(),
             mine.qpn,
             peer.qpn,
-            path.mtu
+            path.mtu,
+            path.max_rd_atomic
         ),
         fallback_reason: None,
         local_addr,
@@ -659,6 +676,7 @@ fn connect_qp(qp: &dyn QueuePair, mine: &Params, peer: &Params, local: IpAddr) -
         mtu: mine.mtu.min(peer.mtu),
         selective_repeat: mine.selective_repeat && peer.selective_repeat,
         timers: mine.timers.agree(peer.timers),
+        max_rd_atomic: u32::from(mine.max_rd_atomic.min(peer.max_rd_atomic)),
     };
     qp.connect(path, mine.psn)?;
     Ok(path)
@@ -1692,9 +1710,18 @@ mod tests {
                 retry_cnt: 6,
                 rnr_retry: 7,
             },
+            max_rd_atomic: 128,
         };
         let b = p.encode();
+        assert_eq!(b[39], 128, "the depth is the last byte");
         assert_eq!(Params::decode(&b).unwrap(), p);
+        let mut legacy = b;
+        legacy[39] = 0;
+        assert_eq!(
+            Params::decode(&legacy).unwrap().max_rd_atomic,
+            LEGACY_MAX_RD_ATOMIC,
+            "a peer that sent no depth used 16"
+        );
         let mut bad = b;
         bad[0] = b'X';
         assert!(matches!(Params::decode(&bad), Err(Error::Protocol(_))));

@@ -15,7 +15,7 @@
 //! use rdmx_core::{Options, Transport};
 //! let rdma = rdmx_transport_rdma::RdmaTransport::new();
 //! let conn = rdma.connect("127.0.0.1:7000", &Options::default()).await?;
-//! println!("{}", conn.info().provider); // "soft-roce:4791 (QPN ..., MTU 4096, selective repeat)"
+//! println!("{}", conn.info().provider); // "soft-roce:4791 (QPN ..., MTU 4096, selective repeat, 128 READs/atomics outstanding)"
 //! # Ok(()) }
 //! ```
 

@@ -43,6 +43,10 @@ pub struct PortInfo {
     pub udp_port: u16,
     /// Active path MTU in bytes (256..=4096).
     pub mtu: u32,
+    /// READ/atomic requests a QP on this port can keep outstanding and
+    /// serve outstanding (a NIC's `max_qp_rd_atom`; the soft engine's
+    /// limit is the wire's, 255).
+    pub max_rd_atomic: u32,
 }
 
 /// What an RC queue pair is connected to (the INIT → RTR → RTS parameters).
@@ -62,6 +66,10 @@ pub struct QpPeer {
     pub selective_repeat: bool,
     /// Requester timers both ends agreed on (the larger of each side's).
     pub timers: QpTimers,
+    /// READ/atomic requests outstanding on this path: the smaller of the
+    /// two ends' limits, so neither requester sends more than the other's
+    /// responder holds (IBTA 9.5, o9-21).
+    pub max_rd_atomic: u32,
 }
 
 /// The requester's timers (`ibv_qp_attr` timeout, retry_cnt, rnr_retry),
@@ -107,7 +115,10 @@ pub struct QpOptions {
     pub retry_cnt: u8,
     /// Retries on RNR NAK (7 = infinite).
     pub rnr_retry: u8,
-    /// Outstanding READ/atomic requests.
+    /// Outstanding READ/atomic requests this end offers (capped by the
+    /// device, and on each path by the peer's offer). The default, 128, is
+    /// rxe's limit; mlx5 NICs cap it at 16. At 16, two soft RoCE peers
+    /// kept a KV gateway's 800 GETs in flight waiting 16 READs at a time.
     pub max_rd_atomic: u32,
     /// Send queue depth (the connection sets it to `Options::max_inflight`;
     /// NICs cap it at their `max_qp_wr`).
@@ -120,7 +131,7 @@ impl Default for QpOptions {
             timeout: 10,
             retry_cnt: 7,
             rnr_retry: 7,
-            max_rd_atomic: 16,
+            max_rd_atomic: 128,
             max_send_wr: 4096,
         }
     }

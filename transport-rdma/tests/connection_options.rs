@@ -195,3 +195,74 @@ async fn write_then_send_many_bundles_the_messages() {
         "one SEND for 16 responses"
     );
 }
+
+/// The READ/atomic depth is agreed at connect: each end offers its own
+/// (`QpOptions::max_rd_atomic`) in the bootstrap and the path takes the
+/// smaller, so a requester never keeps more outstanding than the other
+/// end's responder serves. Far more reads and atomics than that depth,
+/// posted at once, all complete exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_atomic_depth_is_the_smaller_offer_and_many_more_complete() {
+    use rdmx_core::Transport;
+    use rdmx_transport_rdma::verbs::QpOptions;
+    let dev = Arc::new(
+        SoftRoce::new(SoftConfig {
+            port: 0,
+            ..SoftConfig::default()
+        })
+        .unwrap(),
+    );
+    let deep = RdmaTransport::with_provider(dev.clone());
+    let shallow = RdmaTransport::with_provider(dev).qp_options(QpOptions {
+        max_rd_atomic: 5,
+        ..QpOptions::default()
+    });
+    for (client_t, server_t) in [(&shallow, &deep), (&deep, &shallow), (&deep, &deep)] {
+        let want = if std::ptr::eq(client_t, server_t) {
+            128
+        } else {
+            5
+        };
+        let mut listener = server_t
+            .listen("127.0.0.1:0", &Options::default())
+            .await
+            .unwrap();
+        let addr = listener.local_addr().to_string();
+        let (client, server) = tokio::join!(
+            client_t.connect(&addr, &Options::default()),
+            listener.accept()
+        );
+        let (client, server) = (client.unwrap(), server.unwrap());
+        let depth = format!(", {want} READs/atomics outstanding)");
+        for c in [&client, &server] {
+            assert!(c.info().provider.ends_with(&depth), "{}", c.info().provider);
+        }
+        let all: Vec<u8> = (0..400u64).flat_map(|i| pattern(i, 64)).collect();
+        let mr = server.domain().register_from(&all, Access::ALL);
+        let r = mr.remote();
+        let mut ops: FuturesUnordered<_> = (0..400u64)
+            .map(|i| {
+                let c = client.clone();
+                async move {
+                    let at = r.slice(i * 64, 64).unwrap();
+                    let got = c.read(at).await?;
+                    let old = c.fetch_and_add(r.word(i * 64 + 56)?, 1).await?;
+                    Ok::<_, rdmx_core::Error>((i, got, old))
+                }
+            })
+            .collect();
+        let mut done = 0;
+        while let Some(r) = ops.next().await {
+            let (i, got, old) = r.unwrap();
+            let data = pattern(i, 64);
+            assert_eq!(got, data, "read {i}");
+            assert_eq!(old.to_ne_bytes(), data[56..64], "atomic {i}");
+            done += 1;
+        }
+        assert_eq!(done, 400);
+        for i in 0..400u64 {
+            let word = u64::from_ne_bytes(pattern(i, 64)[56..64].try_into().unwrap());
+            assert_eq!(mr.load_u64(i as usize * 64 + 56), word.wrapping_add(1));
+        }
+    }
+}

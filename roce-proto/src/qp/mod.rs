@@ -752,6 +752,20 @@ impl Qp {
         self.ssthresh = n;
         Ok(())
     }
+    /// How many READ/atomic requests may be outstanding on this path, set
+    /// before the QP sends (`ibv_modify_qp` carries it as the initiator depth
+    /// at RTS and the responder resources at RTR, IBTA vol. 1 ch. 11): the
+    /// requester keeps at most `n` outstanding, and the responder keeps
+    /// replay state for twice as many (IBTA 9.5, o9-21). Both ends must use
+    /// a value no larger than the other's responder takes: the smaller of
+    /// the two ends' limits.
+    pub fn set_max_rd_atomic(&mut self, n: u32) -> Result<(), QpError> {
+        if !matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(QpError::State(self.state));
+        }
+        self.cfg.max_rd_atomic = n.max(1);
+        Ok(())
+    }
     /// Gather READ data in buffers from `b` (e.g. a pool) instead of fresh allocations.
     pub fn set_read_buffers(&mut self, b: ReadBuffers) {
         self.read_buffers = b;

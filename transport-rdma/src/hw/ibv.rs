@@ -200,6 +200,7 @@ impl Provider for HwProvider {
             gid: choice.addr,
             udp_port: plan::ROCEV2_PORT,
             mtu,
+            max_rd_atomic: self.max_rd_atomic,
         })
     }
 

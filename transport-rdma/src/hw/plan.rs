@@ -178,8 +178,9 @@ pub struct LocalPort {
 /// Plan the transitions of an RC QP towards `peer` (IBTA vol. 1 ch. 11 Modify QP; the
 /// RC rules of 9.7).
 /// Fails with a clear error on values the NIC would refuse.
-/// The timers are the ones both ends agreed on (`peer.timers`); `opts`
-/// gives the READ/atomic depth.
+/// The timers are the ones both ends agreed on (`peer.timers`); the
+/// READ/atomic depth is the path's (`peer.max_rd_atomic`), within `opts`
+/// and the device's limit.
 pub fn qp_plan(peer: &QpPeer, sq_psn: u32, opts: &QpOptions, local: &LocalPort) -> Result<QpPlan> {
     let t = peer.timers;
     if t.timeout > 31 || t.retry_cnt > 7 || t.rnr_retry > 7 {
@@ -191,7 +192,11 @@ pub fn qp_plan(peer: &QpPeer, sq_psn: u32, opts: &QpOptions, local: &LocalPort) 
     if peer.qpn > 0xFF_FFFF || peer.psn > 0xFF_FFFF || sq_psn > 0xFF_FFFF {
         return Err(Error::InvalidArgument("QPN and PSNs are 24-bit".into()));
     }
-    let rd = opts.max_rd_atomic.min(local.max_rd_atomic).clamp(1, 255) as u8;
+    let rd = opts
+        .max_rd_atomic
+        .min(local.max_rd_atomic)
+        .min(peer.max_rd_atomic)
+        .clamp(1, 255) as u8;
     Ok(QpPlan {
         init: InitAttrs {
             port: local.port,
@@ -375,6 +380,7 @@ mod tests {
             mtu,
             selective_repeat: false,
             timers: QpTimers::of(&QpOptions::default()),
+            max_rd_atomic: 128,
         }
     }
 
@@ -420,6 +426,16 @@ mod tests {
             (p.rtr.max_dest_rd_atomic, p.rts.max_rd_atomic),
             (16, 16),
             "device limit"
+        );
+        let slow_peer = QpPeer {
+            max_rd_atomic: 4,
+            ..peer("198.18.0.2", 1024)
+        };
+        let p = qp_plan(&slow_peer, 0x42, &opts, &PORT).unwrap();
+        assert_eq!(
+            (p.rtr.max_dest_rd_atomic, p.rts.max_rd_atomic),
+            (4, 4),
+            "the path's agreed depth"
         );
         let v6 = qp_plan(&peer("2001:db8::7", 4096), 1, &opts, &PORT).unwrap();
         assert_eq!(

@@ -599,6 +599,9 @@ impl Provider for SoftRoce {
             gid: local,
             udp_port: self.dev.port,
             mtu,
+            // The engine keeps any number outstanding; the bootstrap's byte
+            // carries at most this.
+            max_rd_atomic: u32::from(u8::MAX),
         })
     }
 
@@ -1829,6 +1832,7 @@ impl QueuePair for SoftQpHandle {
             .map_err(qp_err)?;
         g.qp.set_fast_timeout(qp.dev.cfg.max_ack_timeout);
         g.qp.set_selective_repeat(peer.selective_repeat);
+        g.qp.set_max_rd_atomic(peer.max_rd_atomic).map_err(qp_err)?;
         let window = match peer.selective_repeat {
             true => qp.dev.cfg.window,
             false => qp.dev.cfg.window_go_back_n,

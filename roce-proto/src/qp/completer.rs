@@ -43,7 +43,6 @@ impl Qp {
             }
             if self.tx_wqe > 0 {
                 self.tx_wqe -= 1;
-                self.asks_before_tx -= usize::from(w.needs_response());
             } else {
                 // We were (re)transmitting the WQE a late ACK just completed:
                 // the next one starts at its first packet.

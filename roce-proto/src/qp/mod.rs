@@ -457,10 +457,6 @@ pub struct Qp {
     /// Index in `sq` of the WQE being transmitted, and the packet within it.
     tx_wqe: usize,
     tx_pkt: u32,
-    /// READs and atomics in `sq[..tx_wqe]`, kept as `tx_wqe` moves: the
-    /// outstanding-READ bound is checked per request without walking a
-    /// send queue up to `max_rd_atomic` deep (see `asks_outstanding`).
-    asks_before_tx: usize,
     /// Oldest unacknowledged PSN.
     una: u32,
     pkts_since_ackreq: u32,
@@ -633,7 +629,6 @@ impl Qp {
             next_psn: 0,
             tx_wqe: 0,
             tx_pkt: 0,
-            asks_before_tx: 0,
             una: 0,
             pkts_since_ackreq: 0,
             retry_left: cfg.retry_cnt,

@@ -121,11 +121,17 @@ impl Qp {
         // order behind it count too, because the responder keeps replay state
         // for only its last max_rd_atomic of them (IBTA 9.5, o9-21), and the
         // oldest may still have to be asked again.
-        if wqe.needs_response()
-            && self.tx_pkt == 0
-            && self.asks_outstanding() >= self.cfg.max_rd_atomic as usize
-        {
-            return None;
+        if wqe.needs_response() && self.tx_pkt == 0 {
+            let outstanding = self
+                .sq
+                .iter()
+                .take(self.tx_wqe)
+                .skip_while(|w| w.done.is_some())
+                .filter(|w| w.needs_response())
+                .count();
+            if outstanding >= self.cfg.max_rd_atomic as usize {
+                return None;
+            }
         }
         let idx = self.tx_pkt;
         let (mut pkt, advance) = self.build_request(self.tx_wqe, idx);
@@ -176,50 +182,10 @@ impl Qp {
         }
         self.tx_pkt += advance;
         if self.tx_pkt >= wqe.npkts {
-            self.asks_before_tx += usize::from(wqe.needs_response());
             self.tx_wqe += 1;
             self.tx_pkt = 0;
         }
         Some(pkt)
-    }
-
-    /// READs and atomics sent before the transmit cursor, from the oldest
-    /// unfinished request on (those finished behind it count too). The
-    /// running count less the finished ones at the head, which
-    /// `deliver_done` has usually retired already: O(1) per request where
-    /// a walk of the send queue was O(`max_rd_atomic`).
-    fn asks_outstanding(&self) -> usize {
-        let retired_late = self
-            .sq
-            .iter()
-            .take(self.tx_wqe)
-            .take_while(|w| w.done.is_some())
-            .filter(|w| w.needs_response())
-            .count();
-        let n = self.asks_before_tx - retired_late;
-        debug_assert_eq!(
-            n,
-            self.sq
-                .iter()
-                .take(self.tx_wqe)
-                .skip_while(|w| w.done.is_some())
-                .filter(|w| w.needs_response())
-                .count(),
-            "the running count of READs/atomics before the cursor"
-        );
-        n
-    }
-
-    /// Move the transmit cursor to WQE `i` (a rewind), recounting the
-    /// READs and atomics before it.
-    fn set_tx_wqe(&mut self, i: usize) {
-        self.tx_wqe = i;
-        self.asks_before_tx = self
-            .sq
-            .iter()
-            .take(i)
-            .filter(|w| w.needs_response())
-            .count();
     }
 
     /// DCQCN byte counting and pacing for a packet about to leave.
@@ -433,17 +399,16 @@ impl Qp {
                 && psn::diff(psn, w.last_psn()) <= 0
         }) else {
             // Nothing outstanding at that PSN: resume after the last done WQE.
-            let i = self
+            self.tx_wqe = self
                 .sq
                 .iter()
                 .position(|w| w.done.is_none())
                 .unwrap_or(self.sq.len());
-            self.set_tx_wqe(i);
             self.tx_pkt = 0;
             return;
         };
-        self.set_tx_wqe(i);
         let w = &mut self.sq[i];
+        self.tx_wqe = i;
         self.tx_pkt = match w.wr {
             // A read resumes at its first missing response.
             WorkRequest::Read { .. } => {

@@ -199,10 +199,11 @@ PY
 # 8 bytes); 2 when it failed and the two ends could not then reach each
 # other at all (`reachable`); 1 otherwise.
 # Why 2: under TCG the host answers a 16 MiB READ (and echoes a 16 MiB send)
-# far faster than the guest takes it in, and the tap drops most of it. In a
-# loop of the host-serves run, one round in 42 failed and left the guest's
-# virtio NIC silent for good (its next connects got "No route to host" for
-# the rest of the boot): the emulator stopped, not the code under test.
+# far faster than the guest takes it in, and the tap drops most of it. In
+# 44 rounds of a loop of the host-serves run (send, write and read at 1 and
+# 16 MiB), one failed and left the guest's virtio NIC silent for good (its
+# next connects got "No route to host" for the rest of that boot): the
+# emulator stopped, not the code under test.
 perf_pair() {
   local serves=$1 tag="perf-$1-serves" rc
   local args=(--op send,write,read,cas,faa --sizes 0,8,4k,64k,1m,16m --iters 20

@@ -94,9 +94,10 @@ wait_tcp() {
   done
 }
 
-# reachable ADDR PORT: a TCP connect there succeeds within 3 tries of 3 s
-# (runs in a guest too: pass it as "$(declare -f reachable)"). After a failed
-# run it tells a stopped network from a failure of the code under test.
+# reachable ADDR PORT: a TCP connect there succeeds within 3 tries of 3 s;
+# wait_tcp's twin for inside a guest (pass it as "$(declare -f reachable)").
+# After a failed run it tells a stopped network from a failure of the code
+# under test.
 reachable() {
   local k
   for k in 1 2 3; do
@@ -212,6 +213,7 @@ perf_pair() {
   if [[ $serves == host ]]; then
     bg "$RDMX" perf server --listen 198.18.0.1:7471 --transport rdma > "$OUT/$tag.server" 2>&1
     wait_tcp 198.18.0.1 7471 10 || { echo "host perf server did not start" >> "$OUT/$tag.server"; cleanup; return 1; }
+    # the guest probes the host with `reachable` (wait_tcp runs on the host)
     guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 600 -c \
       "$RDMX perf client rdma://198.18.0.1:7471 ${args[*]}; rc=\$?;
        if [ \$rc != 0 ]; then
@@ -220,8 +222,6 @@ perf_pair() {
          ip -s link show eth0; dmesg | tail -n 20
        fi; exit \$rc" > "$OUT/$tag.client" 2>&1
     rc=$?
-    cleanup
-    ((rc == 0)) || { grep -q '^network: stopped' "$OUT/$tag.client" && return 2; return 1; }
   else
     mkdir -p "$OUT/flag.perf"
     rm -f "$OUT/flag.perf/done"
@@ -235,8 +235,7 @@ perf_pair() {
         > "$OUT/$tag.client" 2>&1
       rc=$?
       if ((rc != 0)); then
-        if ns bash -c "$(declare -f reachable); reachable 198.18.0.2 7471"; then echo "network: up" >> "$OUT/$tag.client"
-        else echo "network: stopped" >> "$OUT/$tag.client"; fi
+        if wait_tcp 198.18.0.2 7471 9; then echo "network: up"; else echo "network: stopped"; fi >> "$OUT/$tag.client"
       fi
     else
       echo "guest perf server did not start" >> "$OUT/$tag.client"
@@ -244,9 +243,9 @@ perf_pair() {
     fi
     touch "$OUT/flag.perf/done"
     wait "$g"
-    cleanup
-    ((rc == 0)) || { grep -q '^network: stopped' "$OUT/$tag.client" && return 2; return 1; }
   fi
+  cleanup
+  ((rc == 0)) || { grep -q '^network: stopped' "$OUT/$tag.client" && return 2; return 1; }
   [[ $(grep -c '^rdma ' "$OUT/$tag.client") == 19 ]] || { echo "not 19 rows" >> "$OUT/$tag.client"; return 1; }
 }
 

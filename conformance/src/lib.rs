@@ -15,6 +15,7 @@
 
 use std::collections::HashSet;
 use std::future::IntoFuture;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,49 @@ async fn poll_once<F: std::future::Future>(mut f: std::pin::Pin<&mut F>) {
 
 fn sha(b: &[u8]) -> [u8; 32] {
     Sha256::digest(b).into()
+}
+
+/// The timer of the TCP socket from `local` to `peer` as Linux shows it in
+/// `/proc/net/tcp` or `/proc/net/tcp6` ("tr:tm->when": which timer is armed,
+/// and when it is due in USER_HZ ticks), or `None` if no such socket is listed.
+fn tcp_timer(local: SocketAddr, peer: SocketAddr) -> Option<(u8, u64)> {
+    let (l, r) = (proc_net_addrs(local), proc_net_addrs(peer));
+    for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 6 || !l.iter().any(|a| a == f[1]) || !r.iter().any(|a| a == f[2]) {
+                continue;
+            }
+            let (tr, when) = f[5].split_once(':')?;
+            return Some((
+                u8::from_str_radix(tr, 16).ok()?,
+                u64::from_str_radix(when, 16).ok()?,
+            ));
+        }
+    }
+    None
+}
+
+/// The ways `/proc/net/tcp{,6}` may print `a`: each 32-bit word of the
+/// address in host byte order in hex, then the port in hex; an IPv4 address
+/// also as IPv4-mapped IPv6 (a dual-stack socket's).
+fn proc_net_addrs(a: SocketAddr) -> Vec<String> {
+    let words = |b: &[u8]| -> String {
+        b.chunks(4)
+            .map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
+            .collect()
+    };
+    let port = a.port();
+    match a.ip() {
+        IpAddr::V4(v4) => vec![
+            format!("{}:{port:04X}", words(&v4.octets())),
+            format!("{}:{port:04X}", words(&v4.to_ipv6_mapped().octets())),
+        ],
+        IpAddr::V6(v6) => vec![format!("{}:{port:04X}", words(&v6.octets()))],
+    }
 }
 
 fn denied(r: rdmx_core::Result<impl std::fmt::Debug>) -> AccessError {
@@ -1212,6 +1256,42 @@ impl Suite {
         }
     }
 
+    /// A peer that dies silently (no FIN or RST: its host lost power, its
+    /// network went away) must not leave an idle connection waiting for
+    /// ever: an RC queue pair with nothing outstanding sends nothing, so it
+    /// never notices. Every transport keeps a TCP stream per connection (the
+    /// data over TCP, the control connection over RDMA) with keepalive
+    /// probes on, which fail it, and with it every wait, a `recv` with no
+    /// deadline included, within 16 s. Checked where the kernel shows it: on
+    /// both ends, the stream's keepalive timer is armed and due within
+    /// `rdmx-transport-tcp`'s 10 s idle time (Linux `/proc/net/tcp`, "tr" 2;
+    /// without keepalive the timer is off, and the kernel's default idle time
+    /// is two hours).
+    pub async fn silent_peer_probed(&self) {
+        let p = self.pair().await;
+        // Some traffic first, then idle.
+        p.client.send(vec![7u8; 16]).await.unwrap();
+        assert_eq!(&p.server.recv_message().await.unwrap()[..], &[7u8; 16]);
+        for (end, c) in [("client", &p.client), ("server", &p.server)] {
+            let (local, peer) = (c.info().local_addr, c.info().peer_addr);
+            let (Some(local), Some(peer)) = (local, peer) else {
+                panic!("{end}: the connection names no TCP stream ({local:?} -> {peer:?})");
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                match tcp_timer(local, peer) {
+                    // Due within the 10 s idle time (in USER_HZ ticks, 100 a second).
+                    Some((2, due)) if due <= 10 * 100 => break,
+                    other if Instant::now() > deadline => panic!(
+                        "{end}: the stream {local} -> {peer} has no keepalive timer due within \
+                         10 s: (timer, due in 1/100 s) = {other:?}"
+                    ),
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+    }
+
     /// Lanes (run on a plain transport; not part of [`conformance_tests!`]):
     /// four lanes negotiated and visible on both ends, large transfers split
     /// over all of them with exact data, a message still arriving after the
@@ -1367,7 +1447,7 @@ macro_rules! conformance_tests {
             atomics_under_contention, large_transfer, many_in_flight,
             peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
             write_with_immediate, write_then_send, cork_holds_a_burst, graceful_close,
-            deadlines_and_counters);
+            deadlines_and_counters, silent_peer_probed);
     };
     (@cases $make:expr; $attrs:tt; $case:ident $(, $rest:ident)*) => {
         $crate::conformance_tests!(@one $make; $attrs; $case);

@@ -157,6 +157,12 @@ async fn establish(
     server: bool,
 ) -> Result<Connection> {
     let _ = stream.set_nodelay(true);
+    // The control connection outlives the handshake: keepalive probes on it
+    // fail a connection whose peer died silently, which an idle queue pair
+    // would never notice (it sends nothing).
+    if let Err(e) = rdmx_transport_tcp::detect_silent_peer(&stream) {
+        tracing::debug!(error = %e, "TCP keepalive not set on the control connection");
+    }
     let mut ours = Limits::from_options(&opts)?;
     // NICs pin one `max_message` buffer per receive credit.
     ours.credits = provider.recv_credits(ours.credits, ours.max_message);

@@ -56,14 +56,31 @@ impl TcpTransport {
 
 fn tune(s: &TcpStream) {
     let _ = s.set_nodelay(true);
-    let sock = socket2::SockRef::from(s);
-    // Detect a peer that died silently (no FIN/RST) even when no operation runs.
-    let ka = socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(10))
-        .with_interval(Duration::from_secs(2))
-        .with_retries(3);
-    let _ = sock.set_tcp_keepalive(&ka);
+    let _ = detect_silent_peer(s);
 }
+
+/// TCP keepalive on a connection's stream: after [`KEEPALIVE_IDLE`] without
+/// traffic the kernel probes the peer every [`KEEPALIVE_INTERVAL`], and
+/// [`KEEPALIVE_PROBES`] unanswered probes fail the socket. A peer that died
+/// silently (no FIN or RST: power lost, cable pulled, a VM's network gone)
+/// then ends every wait on the connection, a `recv` with no deadline
+/// included, within 10 + 3 × 2 = 16 s. The RDMA transport sets it on its
+/// control connection too: an idle queue pair sends nothing, so it would
+/// never notice.
+pub fn detect_silent_peer(s: &TcpStream) -> std::io::Result<()> {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(s).set_tcp_keepalive(&ka)
+}
+
+/// Idle time before the first keepalive probe ([`detect_silent_peer`]).
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// Time between keepalive probes ([`detect_silent_peer`]).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// Unanswered keepalive probes that fail the connection ([`detect_silent_peer`]).
+pub const KEEPALIVE_PROBES: u32 = 3;
 
 async fn establish(
     mut stream: TcpStream,

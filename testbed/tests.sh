@@ -148,8 +148,10 @@ t_doctor() {
 # counters, its transmit queue's backlog, the virtio interrupts taken and the
 # kernel's last words, so an emulated NIC that stopped shows how it stopped
 # (a backlog that never drains, interrupts that no longer come, rxe's
-# "Failed sending ACK").
-GUEST_NIC_REPORT='ip -s link show eth0; tc -s qdisc show dev eth0; grep -i virtio /proc/interrupts; dmesg | tail -n 20'
+# "Failed sending ACK"), or that the guest's kernel warned: a whole warning
+# with its stack fits in the last 80 lines once rxe's "speed is unknown"
+# lines (one per connection) are left out.
+GUEST_NIC_REPORT='ip -s link show eth0; tc -s qdisc show dev eth0; grep -i virtio /proc/interrupts; dmesg | grep -v "speed is unknown" | tail -n 80'
 
 # again_if_net_stopped NAME WHAT CMD...: run CMD (a run between the host and
 # a guest, logging to $OUT/NAME.client and .server). If it returns 2 (it

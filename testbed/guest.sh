@@ -13,13 +13,16 @@
 #   --modprobe MOD   load MOD before the command (repeatable)
 #   --rw DIR         DIR is shared read-write, at the same path
 #   --mem MB (2048)  --smp N (1)  --timeout SECONDS (600)  --name NAME
+#   --monitor SOCK   QEMU's human monitor on unix socket SOCK, to look at a
+#                    guest that stopped answering (`info registers`, or
+#                    `sendkey alt-sysrq-l` for the kernel's backtrace)
 #   --dir DIR        the prepared directory (default $RDMX_TESTBED_DIR,
 #                    else /var/tmp/rdmx-testbed; prepared if it is not)
 # Under TCG (no usable KVM, e.g. a PVM host) a boot takes about 3 s.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${RDMX_TESTBED_DIR:-/var/tmp/rdmx-testbed}
-NICS=() NETNS="" RXE="" MODULES="" RW=() MEM=2048 SMP=1 TIMEOUT=600 NAME=guest CMD=()
+NICS=() NETNS="" RXE="" MODULES="" RW=() MEM=2048 SMP=1 TIMEOUT=600 NAME=guest CMD=() MONITOR=()
 while (($#)); do
   case $1 in
     --nic) NICS+=("$2"); shift 2 ;;
@@ -31,10 +34,11 @@ while (($#)); do
     --smp) SMP=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --name) NAME=$2; shift 2 ;;
+    --monitor) MONITOR=(-monitor "unix:$2,server=on,wait=off"); shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
     -c) CMD=(/bin/sh -c "$2"); shift 2; break ;;
     --) shift; CMD=("$@"); break ;;
-    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "guest.sh: unknown option $1 (put -- before the command)" >&2; exit 2 ;;
   esac
 done
@@ -85,12 +89,12 @@ ENV
 qemu=("$DIR/qemu" "${ACCEL[@]}" -m "$MEM" -smp "$SMP" -machine pc -nodefaults
   -no-user-config -no-reboot -display none
   -kernel "$DIR/vmlinux" -initrd "$DIR/initrd.gz"
-  -append "console=ttyS0 quiet panic=-1 rdinit=/init i8042.noaux"
+  -append "console=ttyS0 quiet panic=-1 rdinit=/init i8042.noaux sysrq_always_enabled"
   -serial stdio
   -virtfs "local,path=$RUN,mount_tag=run,security_model=none"
   -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
   -virtfs "local,path=$DIR/root/lib/modules,mount_tag=modules,security_model=none,readonly=on"
-  ${shares[@]+"${shares[@]}"} ${net[@]+"${net[@]}"})
+  ${shares[@]+"${shares[@]}"} ${net[@]+"${net[@]}"} ${MONITOR[@]+"${MONITOR[@]}"})
 [[ -z $NETNS ]] || qemu=(ip netns exec "$NETNS" "${qemu[@]}")
 set +e
 # The console carries the command's output; drop the kernel's power-off line.

@@ -473,8 +473,9 @@ t_pingpong() {
       # the guest may still be booting
       i=$((i + 1)); ((i < 60)) || break; sleep 0.5
     done
-    wait "$g" || fails=$((fails + 1))
-    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-client" || fails=$((fails + 1))
+    wait "$g" || fail_step "rc_pingpong server, $size B: exit $? $(tail_of "$OUT/pingpong-$size.guest-server")"
+    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-client" ||
+      fail_step "rdmx client, $size B: $(tail_of "$OUT/pingpong-$size.host-client")"
     printf 'rc_pingpong server, rdmx client, %5s B: %s | %s\n' "$size" \
       "$(grep -m1 'usec/iter' "$OUT/pingpong-$size.guest-server")" \
       "$(tail -1 "$OUT/pingpong-$size.host-client")"
@@ -486,9 +487,10 @@ t_pingpong() {
     sleep 0.5   # (a probe connection would be taken for the client)
     guest --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --timeout 300 -- \
       ibv_rc_pingpong -d rxe0 -g 1 -s "$size" -n "$n" 198.18.0.1 > "$OUT/pingpong-$size.guest-client" 2>&1 ||
-      fails=$((fails + 1))
-    wait "$srv" || fails=$((fails + 1))
-    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-server" || fails=$((fails + 1))
+      fail_step "rc_pingpong client, $size B: exit $? $(tail_of "$OUT/pingpong-$size.guest-client")"
+    wait "$srv" || fail_step "rdmx server, $size B: exit $?"
+    grep -q "every echo checked: $n messages" "$OUT/pingpong-$size.host-server" ||
+      fail_step "rdmx server, $size B: $(tail_of "$OUT/pingpong-$size.host-server")"
     printf 'rdmx server, rc_pingpong client, %5s B: %s | %s\n' "$size" \
       "$(grep -m1 'usec/iter' "$OUT/pingpong-$size.guest-client")" \
       "$(tail -1 "$OUT/pingpong-$size.host-server")"

@@ -67,7 +67,10 @@ for spec in ${NICS[@]+"${NICS[@]}"}; do
   else
     net+=(-netdev "tap,id=n$i,ifname=$tap,script=no,downscript=no")
   fi
-  net+=(-device "virtio-net-pci,netdev=n$i,mac=$mac,romfile=")
+  # event_idx=off: with event-index notification, this QEMU (7.2) under TCG
+  # sometimes stops raising the guest's receive interrupts for good (caught
+  # with --monitor: guest idle, buffers posted, NET_RX frozen)
+  net+=(-device "virtio-net-pci,netdev=n$i,mac=$mac,romfile=,event_idx=off")
   nics+=" eth$i${addr:+=$addr}"
   i=$((i + 1))
 done

@@ -182,9 +182,12 @@ again_if_net_stopped() {
 # Why 2: in one CI run (stop 52) two soaks failed with the host's soft
 # client out of retries while the guest's kernel logged rxe's "Failed
 # sending ACK" every 70 ms to the end, as in the perf runs (perf_pair) that
-# left a guest unreachable. Why the guest stops answering is still open:
-# in later failures its own counters showed an empty transmit queue and
-# interrupts still coming (GUEST_NIC_REPORT).
+# left a guest unreachable. Session 54 caught it with QEMU's monitor
+# (guest.sh --monitor): the guest idle in its halt loop, its RX virtqueue
+# holding ~240 posted buffers, QEMU still moving ARP requests into it, and
+# the guest's NET_RX softirq count frozen: its receive interrupts no longer
+# arrived. guest.sh now turns the NIC's event-index notification off; this
+# rerun stays for whatever is left.
 soak_run() {
   local serves=$1 loss=$2 chunk=$3 bytes=$4 tag=$5 rc netem=""
   [[ $loss == 0 ]] || netem="tc qdisc add dev eth0 root netem loss $loss% &&"
@@ -263,8 +266,8 @@ soak_pair() {
 # 16 MiB), one failed and left the guest unreachable for good (its next
 # connects got "No route to host" for the rest of that boot). The guest-
 # serves run fails so far more often (CI at 310af36: twice in a row, the
-# guest still receiving and sending, rxe still retrying, TCP unanswered);
-# the cause is under investigation (issue note, stop 53).
+# guest still receiving and sending, rxe still retrying, TCP unanswered):
+# the guest's receive interrupts stopped (see soak_run).
 perf_pair() {
   local serves=$1 tag="perf-$1-serves" rc
   local args=(--op send,write,read,cas,faa --sizes 0,8,4k,64k,1m,16m --iters 20

@@ -182,14 +182,15 @@ pub(crate) struct OutMsg<'a> {
     pub(crate) control: &'a [u8],
 }
 
-/// Send `msgs` to `to` from `sock` in one `sendmmsg(2)`, each message as
+/// Send `msgs` to `to` (`None`: where `sock` is connected) from `sock` in
+/// one `sendmmsg(2)`, each message as
 /// `sendmsg` would send it (its own datagram, or GSO run). Returns how many
 /// the kernel took, from the first: fewer than all when one after the first
 /// failed (an error only when the first did).
 #[cfg(target_os = "linux")]
 pub(crate) fn sendmmsg(
     sock: &impl AsRawFd,
-    to: &socket2::SockAddr,
+    to: Option<&socket2::SockAddr>,
     msgs: &[OutMsg<'_>],
 ) -> io::Result<usize> {
     let mut hdrs: Vec<libc::mmsghdr> = msgs
@@ -198,8 +199,10 @@ pub(crate) fn sendmmsg(
             // SAFETY: all-zero bytes are a valid `mmsghdr` (null pointers,
             // zero lengths); every field the kernel reads is set below.
             let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
-            h.msg_hdr.msg_name = to.as_ptr() as *mut libc::c_void;
-            h.msg_hdr.msg_namelen = to.len();
+            if let Some(to) = to {
+                h.msg_hdr.msg_name = to.as_ptr() as *mut libc::c_void;
+                h.msg_hdr.msg_namelen = to.len();
+            }
             // `IoSlice` is ABI-compatible with `iovec` on Unix (std's guarantee).
             h.msg_hdr.msg_iov = m.iov.as_ptr() as *mut libc::iovec;
             h.msg_hdr.msg_iovlen = m.iov.len() as _;
@@ -211,7 +214,7 @@ pub(crate) fn sendmmsg(
         })
         .collect();
     // SAFETY: every header points at memory borrowed for this call (the
-    // address `to`, each message's iovecs and the buffers they name, its
+    // address `to` when given, else no address, each message's iovecs and the buffers they name, its
     // control bytes), with the lengths of those borrows; the kernel only
     // reads them, and writes each header's `msg_len`, inside `hdrs`. `sock`
     // is an open socket for the duration of the call.
@@ -234,7 +237,7 @@ pub(crate) fn sendmmsg(
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn sendmmsg(
     _sock: &impl AsRawFd,
-    _to: &socket2::SockAddr,
+    _to: Option<&socket2::SockAddr>,
     _msgs: &[OutMsg<'_>],
 ) -> io::Result<usize> {
     Err(io::Error::new(

@@ -709,6 +709,13 @@ struct Tx {
     sock: std::net::UdpSocket,
     state: UdpSocketState,
     local: SocketAddr,
+    /// The peer `sock` is connected to ([`gather::connect`]): gathered
+    /// sends there name no address. `None` when connecting failed (sends
+    /// then name the address each time, as before).
+    connected_to: Option<SocketAddr>,
+    /// `sock` marks everything it sends ECT(0) itself, so gathered sends
+    /// carry no ECN control message.
+    ecn_on_socket: bool,
     /// Exact IPv4 mode (see [`SoftConfig::exact_ipv4`]).
     raw: Option<RawTx>,
     /// Gathered sends are off ([`SoftConfig::gathered_sends`]) or the kernel
@@ -1488,8 +1495,9 @@ impl SoftQp {
                 self.send_flat(tx, dst, batch, len, gso)
             } else {
                 c.tx_calls.fetch_add(1, Ordering::Relaxed);
-                let ecn = self.dev.cfg.ecn;
-                match gather::send(&tx.sock, tx.local, dst, ecn, batch, gso) {
+                let ecn = self.dev.cfg.ecn && !tx.ecn_on_socket;
+                let connected = tx.connected_to == Some(dst);
+                match gather::send(&tx.sock, tx.local, dst, ecn, connected, batch, gso) {
                     Err(e) if e.kind() != io::ErrorKind::WouldBlock => {
                         // The form itself refused (bad argument, no offload
                         // on the path), not this send: stop gathering.
@@ -1563,8 +1571,9 @@ impl SoftQp {
         }
         let c = &self.dev.counters;
         c.tx_calls.fetch_add(1, Ordering::Relaxed);
-        let ecn = self.dev.cfg.ecn;
-        let sent = match gather::send_runs(&tx.sock, tx.local, dst, ecn, batch, &runs) {
+        let ecn = self.dev.cfg.ecn && !tx.ecn_on_socket;
+        let connected = tx.connected_to == Some(dst);
+        let sent = match gather::send_runs(&tx.sock, tx.local, dst, ecn, connected, batch, &runs) {
             Ok(n) => n,
             Err(_) => return 0,
         };
@@ -1803,6 +1812,18 @@ impl QueuePair for SoftQpHandle {
                 .local_addr()
                 .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
             let sock = std_tx;
+            let (connected_to, ecn_on_socket) = match gather::connect(
+                &sock,
+                local,
+                peer.addr,
+                qp.dev.cfg.ecn,
+            ) {
+                Ok(ecn_on_socket) => (Some(peer.addr), ecn_on_socket),
+                Err(e) => {
+                    debug!(peer = %peer.addr, error = %e, "soft RoCE: QP socket not connected; sends name the peer each time");
+                    (None, false)
+                }
+            };
             let raw = match (
                 qp.dev.cfg.exact_ipv4,
                 local.ip(),
@@ -1821,6 +1842,8 @@ impl QueuePair for SoftQpHandle {
                 sock,
                 state,
                 local,
+                connected_to,
+                ecn_on_socket,
                 raw,
                 gather_refused: AtomicBool::new(!qp.dev.cfg.gathered_sends),
             }

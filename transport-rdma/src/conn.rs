@@ -971,28 +971,42 @@ impl Shared {
                         WcOpcode::RecvWriteImm => Some(0),
                         _ => Some(wc.byte_len),
                     };
-                    let incs = match wc.opcode {
-                        WcOpcode::RecvWriteImm => vec![Incoming::WriteImm {
-                            imm: wc.imm.unwrap_or(0),
-                            len: wc.byte_len,
-                        }],
+                    // One message, or a bundle's several (the receive's
+                    // credit goes back with the last).
+                    let bundle = match wc.opcode {
+                        WcOpcode::RecvWriteImm => None,
                         _ if wc.imm == Some(bundle::BUNDLE_IMM) => match bundle::split(&wc.data) {
-                            Ok(parts) => parts.into_iter().map(Incoming::Message).collect(),
+                            Ok(parts) => Some(parts),
                             Err(why) => {
                                 drop(st);
                                 self.die(Error::Protocol(format!("peer sent {why}")));
                                 return;
                             }
                         },
-                        _ => vec![Incoming::Message(wc.data)],
+                        _ => None,
                     };
                     st.buffered += 1;
                     self.stats.add(|s| &s.bytes_received, wc.byte_len);
                     if let Some(tx) = &st.inc_tx {
-                        let last = incs.len() - 1;
-                        for (i, inc) in incs.into_iter().enumerate() {
-                            let release = if i == last { release } else { None };
-                            let _ = tx.send(Delivery { inc, release });
+                        match bundle {
+                            Some(parts) => {
+                                let last = parts.len() - 1;
+                                for (i, m) in parts.into_iter().enumerate() {
+                                    let release = if i == last { release } else { None };
+                                    let inc = Incoming::Message(m);
+                                    let _ = tx.send(Delivery { inc, release });
+                                }
+                            }
+                            None => {
+                                let inc = match wc.opcode {
+                                    WcOpcode::RecvWriteImm => Incoming::WriteImm {
+                                        imm: wc.imm.unwrap_or(0),
+                                        len: wc.byte_len,
+                                    },
+                                    _ => Incoming::Message(wc.data),
+                                };
+                                let _ = tx.send(Delivery { inc, release });
+                            }
                         }
                     }
                 }
@@ -1389,21 +1403,19 @@ impl Shared {
 
     /// Take one send credit (a receive posted at the peer) and `bytes` of its window.
     async fn take_credit(&self, bytes: u64) -> Result<()> {
+        // Most sends find a credit: take it without registering for the
+        // wake-up (the registration locks the notifier's waiter list, and
+        // its drop again).
+        if self.try_take_credit(bytes)? {
+            return Ok(());
+        }
         let mut stalled = false;
         loop {
             let notified = self.credit_notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.is_dead.load(Ordering::Acquire) {
-                return Err(self.dead_error());
-            }
-            {
-                let mut c = self.credits.lock();
-                if c.msgs >= 1 && c.bytes >= bytes {
-                    c.msgs -= 1;
-                    c.bytes -= bytes;
-                    return Ok(());
-                }
+            if self.try_take_credit(bytes)? {
+                return Ok(());
             }
             if !stalled {
                 stalled = true;
@@ -1411,6 +1423,20 @@ impl Shared {
             }
             notified.await;
         }
+    }
+
+    /// Take one send credit and `bytes` of the window if they are there now.
+    fn try_take_credit(&self, bytes: u64) -> Result<bool> {
+        if self.is_dead.load(Ordering::Acquire) {
+            return Err(self.dead_error());
+        }
+        let mut c = self.credits.lock();
+        if c.msgs >= 1 && c.bytes >= bytes {
+            c.msgs -= 1;
+            c.bytes -= bytes;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// The app consumed a message: re-post its receive, return credits in batches.

@@ -52,6 +52,23 @@ use crate::verbs::{
     QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
+/// Whether a QP's socket (bound to `local`) may be connected to its peer
+/// at `peer` ([`gather::connect`]): only when its datagrams travel as IPv6.
+/// An IPv4 datagram from a connected socket carries the socket's own
+/// Identification counter (ip_select_ident_segs: random at connect, one up
+/// per datagram), and the ICRC covers that field (rocev2-reference §9):
+/// unconnected, a DF datagram carries 0, which is what the engine seals
+/// with. A NIC checks the ICRC exactly (rxe dropped every packet of a
+/// connected IPv4 socket, silently); only our own receivers, which solve for
+/// the Identification, took them. IPv6 has no such field.
+fn may_connect(local: SocketAddr, peer: SocketAddr) -> bool {
+    let wire_v4 = |a: SocketAddr| match a.ip() {
+        IpAddr::V4(_) => true,
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some(),
+    };
+    !wire_v4(local) && !wire_v4(peer)
+}
+
 /// Turn off the receive timestamps quinn-udp's `UdpSocketState::new`
 /// turns on for every socket it wraps (`SO_TIMESTAMPNS`). Nothing here
 /// reads them, and while any socket asks for them the kernel reads the
@@ -1828,16 +1845,15 @@ impl QueuePair for SoftQpHandle {
                 .local_addr()
                 .map_err(|e| Error::Connect(format!("soft RoCE QP socket: {e}")))?;
             let sock = std_tx;
-            let (connected_to, ecn_on_socket) = match gather::connect(
-                &sock,
-                local,
-                peer.addr,
-                qp.dev.cfg.ecn,
-            ) {
-                Ok(ecn_on_socket) => (Some(peer.addr), ecn_on_socket),
-                Err(e) => {
-                    debug!(peer = %peer.addr, error = %e, "soft RoCE: QP socket not connected; sends name the peer each time");
-                    (None, false)
+            let (connected_to, ecn_on_socket) = if !may_connect(local, peer.addr) {
+                (None, false)
+            } else {
+                match gather::connect(&sock, local, peer.addr, qp.dev.cfg.ecn) {
+                    Ok(ecn_on_socket) => (Some(peer.addr), ecn_on_socket),
+                    Err(e) => {
+                        debug!(peer = %peer.addr, error = %e, "soft RoCE: QP socket not connected; sends name the peer each time");
+                        (None, false)
+                    }
                 }
             };
             let raw = match (
@@ -2332,6 +2348,22 @@ async fn timer_loop(d: Arc<Device>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// QP sockets are connected only where no IPv4 Identification is on
+    /// the wire for the ICRC to cover.
+    #[test]
+    fn only_ipv6_qp_sockets_are_connected() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(!may_connect(a("198.18.0.1:0"), a("198.18.0.2:4791")));
+        assert!(!may_connect(a("127.0.0.1:0"), a("127.0.0.1:4791")));
+        assert!(!may_connect(
+            a("[::ffff:198.18.0.1]:0"),
+            a("[::ffff:198.18.0.2]:4791")
+        ));
+        assert!(!may_connect(a("[::]:0"), a("198.18.0.2:4791")));
+        assert!(may_connect(a("[::1]:0"), a("[::1]:4791")));
+        assert!(may_connect(a("[fd00::1]:0"), a("[fd00::2]:4791")));
+    }
 
     /// A socket quinn-udp wrapped asks for no receive timestamps once the
     /// device has turned them off (the device's own sockets, rx queues and

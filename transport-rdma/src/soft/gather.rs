@@ -216,9 +216,11 @@ fn again_if_refused<T>(connected: bool, mut send: impl FnMut() -> io::Result<T>)
 /// everything it sends ECT(0) (IP_TOS, or IPV6_TCLASS for IPv6 on the
 /// wire). Sends to `dst` then name no address and carry no IP-level control
 /// message, so the kernel uses the route it cached at connect instead of
-/// looking one up per datagram (udp_sendmsg: `connected`; 3% of a soft RoCE
-/// 8 B round trip on loopback). Returns whether the socket marks ECT(0)
-/// itself (false: sends must ask per datagram).
+/// looking one up per datagram (udp_sendmsg: `connected`; a soft RoCE 8 B
+/// round trip was 3% faster so). Only for IPv6 on the wire: see
+/// `may_connect` in device.rs for what connecting does to IPv4's
+/// Identification. Returns whether the socket marks ECT(0) itself (false:
+/// sends must ask per datagram).
 pub(crate) fn connect(
     sock: &UdpSocket,
     local: SocketAddr,

@@ -214,10 +214,11 @@ pub(crate) fn sendmmsg(
         })
         .collect();
     // SAFETY: every header points at memory borrowed for this call (the
-    // address `to` when given, else no address, each message's iovecs and the buffers they name, its
-    // control bytes), with the lengths of those borrows; the kernel only
-    // reads them, and writes each header's `msg_len`, inside `hdrs`. `sock`
-    // is an open socket for the duration of the call.
+    // address `to` when given, else no address, each message's iovecs and
+    // the buffers they name, its control bytes), with the lengths of those
+    // borrows; the kernel only reads them, and writes each header's
+    // `msg_len`, inside `hdrs`. `sock` is an open socket for the duration
+    // of the call.
     let r = unsafe {
         libc::sendmmsg(
             sock.as_raw_fd(),

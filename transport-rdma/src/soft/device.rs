@@ -62,11 +62,7 @@ use crate::verbs::{
 /// connected IPv4 socket, silently); only our own receivers, which solve for
 /// the Identification, took them. IPv6 has no such field.
 fn may_connect(local: SocketAddr, peer: SocketAddr) -> bool {
-    let wire_v4 = |a: SocketAddr| match a.ip() {
-        IpAddr::V4(_) => true,
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some(),
-    };
-    !wire_v4(local) && !wire_v4(peer)
+    gather::wire_is_ipv6(local, peer)
 }
 
 /// Turn off the receive timestamps quinn-udp's `UdpSocketState::new`

@@ -318,6 +318,12 @@ fn destination(local: SocketAddr, dst: SocketAddr) -> (socket2::SockAddr, bool) 
     (socket2::SockAddr::from(dst), ipv6)
 }
 
+/// Whether datagrams from a socket bound to `local` travel to `dst` as
+/// IPv6 on the wire (not IPv4, v4-mapped or not), as [`destination`] sees it.
+pub(crate) fn wire_is_ipv6(local: SocketAddr, dst: SocketAddr) -> bool {
+    destination(local, dst).1
+}
+
 fn is_v4_mapped(a: &SocketAddr) -> bool {
     matches!(a, SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_some())
 }

@@ -876,6 +876,72 @@ impl Suite {
         sent.unwrap();
     }
 
+    /// Receivers dropped while they wait lose no message. Each round, a
+    /// receiver in this task registers first and one in a task of its own
+    /// second; a message arrives, which wakes the first, and the first is
+    /// dropped without taking it: the other, asleep in its task, must be
+    /// woken for it and get it whole. Every other round the task's receiver
+    /// is also joined by a second one dropped unpolled-again, and the
+    /// spawned one registers first (the usual order). Afterwards every
+    /// message arrives in order.
+    pub async fn dropped_receivers_lose_no_message(&self) {
+        let p = self.pair().await;
+        let registered = || tokio::time::sleep(Duration::from_millis(20));
+        for round in 0..16u64 {
+            let msg = pattern(round, 64 + round as usize);
+            let spawned_first = round % 2 == 1;
+            let spawn = || {
+                let server = p.server.clone();
+                tokio::spawn(async move { server.recv_message().await })
+            };
+            let mut here = Vec::new();
+            let mut other = None;
+            if spawned_first {
+                other = Some(spawn());
+                registered().await;
+            }
+            for _ in 0..1 + round % 2 {
+                let mut w = Box::pin(p.server.recv_message().into_future());
+                poll_once(w.as_mut()).await;
+                here.push(w);
+            }
+            let other = match other {
+                Some(o) => o,
+                None => {
+                    let o = spawn();
+                    registered().await;
+                    o
+                }
+            };
+            let before = p.server.stats().bytes_received;
+            p.client.send(msg.clone()).await.unwrap();
+            // Delivered (and a receiver woken) before any receiver is dropped.
+            let t0 = Instant::now();
+            while p.server.stats().bytes_received < before + msg.len() as u64 {
+                assert!(t0.elapsed() < Duration::from_secs(10), "never delivered");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            drop(here);
+            let got = tokio::time::timeout(Duration::from_secs(10), other)
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: the message was lost"))
+                .unwrap()
+                .unwrap();
+            assert_eq!(got, msg, "round {round}");
+        }
+        let send = async {
+            for i in 0..50u64 {
+                p.client.send(pattern(100 + i, 100)).await.unwrap();
+            }
+        };
+        let receive = async {
+            for i in 0..50u64 {
+                assert_eq!(p.server.recv_message().await.unwrap(), pattern(100 + i, 100));
+            }
+        };
+        tokio::join!(send, receive);
+    }
+
     /// A receiver that does not consume stalls the sender at its credits,
     /// without growing memory; consuming releases the sender, nothing is lost.
     pub async fn credits_stall_sender(&self) {
@@ -1445,7 +1511,8 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@cases $make; $attrs;
             message_order_and_boundaries, read_write_edges, read_many, access_violations,
             atomics_under_contention, large_transfer, many_in_flight,
-            peer_killed_mid_transfer, drop_in_flight_futures, credits_stall_sender,
+            peer_killed_mid_transfer, drop_in_flight_futures, dropped_receivers_lose_no_message,
+            credits_stall_sender,
             write_with_immediate, write_then_send, cork_holds_a_burst, graceful_close,
             deadlines_and_counters, silent_peer_probed);
     };

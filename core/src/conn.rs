@@ -1,9 +1,10 @@
 //! Connections and their operations.
 
 use std::fmt;
-use std::future::{Future, IntoFuture};
+use std::future::{poll_fn, Future, IntoFuture};
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::task::Poll;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -336,6 +337,28 @@ impl<T> Op<T> {
     }
 }
 
+/// `fut`'s output, or `None` if it is still pending `d` after it first had
+/// to wait. The deadline is armed only then: an operation that finishes on
+/// its first poll (a send queued on TCP, a post) never reads the clock, looks
+/// up the runtime's timer or builds a timer entry, and one that waits is
+/// polled once per wake-up, as under `tokio::time::timeout`.
+async fn with_deadline<T>(mut fut: BoxFuture<'static, T>, d: Duration) -> Option<T> {
+    let mut deadline = std::pin::pin!(None::<tokio::time::Sleep>);
+    poll_fn(|cx| {
+        if let Poll::Ready(r) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(r));
+        }
+        if deadline.is_none() {
+            deadline.set(Some(tokio::time::sleep(d)));
+        }
+        match deadline.as_mut().as_pin_mut().map(|s| s.poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(None),
+            _ => Poll::Pending,
+        }
+    })
+    .await
+}
+
 impl<T: Send + 'static> IntoFuture for Op<T> {
     type Output = Result<T>;
     type IntoFuture = BoxFuture<'static, Result<T>>;
@@ -353,9 +376,9 @@ impl<T: Send + 'static> IntoFuture for Op<T> {
         Box::pin(
             async move {
                 let res = match timeout {
-                    Some(d) => match tokio::time::timeout(d, fut).await {
-                        Ok(r) => r,
-                        Err(_) => {
+                    Some(d) => match with_deadline(fut, d).await {
+                        Some(r) => r,
+                        None => {
                             stats.add(|s| &s.timeouts, 1);
                             Err(Error::TimedOut(d))
                         }

@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -118,6 +119,12 @@ struct RecvState {
     /// What the peer may still send us (to detect a peer overrunning credits).
     peer_msgs_left: u64,
     peer_bytes_left: u64,
+    /// Receivers waiting for a message, oldest first; a delivery wakes the
+    /// first. Kept under the queue's lock, so that looking for a message and
+    /// registering to wait for one take a single lock (`RecvWait`).
+    waiters: VecDeque<(u64, Waker)>,
+    /// Id of the next registered waiter.
+    next_waiter: u64,
 }
 
 /// A response to one request.
@@ -160,11 +167,89 @@ pub(crate) struct Shared {
     credit_wake: Notify,
 
     recv: Mutex<RecvState>,
-    recv_wake: Notify,
     /// Woken (all waiters) when the connection is marked dead.
     closed_wake: Notify,
 
     closed: Mutex<Option<Error>>,
+}
+
+/// Waits for the next received message or notice (`RawConnection::recv`).
+///
+/// Looking in the queue and registering to wait take the queue's one lock,
+/// so a message that arrives in between finds the waiter. Cancel-safe: a
+/// waiter dropped after a delivery woke it, without taking the message,
+/// passes the wake-up on to the next waiter.
+struct RecvWait {
+    shared: Arc<Shared>,
+    /// Our id among `RecvState::waiters`, once registered.
+    waiter: Option<u64>,
+}
+
+impl std::future::Future for RecvWait {
+    type Output = Result<Incoming>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let taken = {
+            let mut r = this.shared.recv.lock();
+            match this.shared.take_queued(&mut r) {
+                Some(got) => {
+                    if let Some(id) = this.waiter.take() {
+                        // Still registered (not the one a delivery woke).
+                        r.waiters.retain(|(w, _)| *w != id);
+                    }
+                    Some(got)
+                }
+                None => {
+                    let waker = cx.waker();
+                    let id = match this.waiter {
+                        Some(id) => id,
+                        None => {
+                            let id = r.next_waiter;
+                            r.next_waiter += 1;
+                            this.waiter = Some(id);
+                            id
+                        }
+                    };
+                    match r.waiters.iter_mut().find(|(w, _)| *w == id) {
+                        Some((_, w)) if w.will_wake(waker) => {}
+                        Some((_, w)) => w.clone_from(waker),
+                        // New, or woken and nothing left for us: (again) last in line.
+                        None => r.waiters.push_back((id, waker.clone())),
+                    }
+                    None
+                }
+            }
+        };
+        if let Some((item, credit)) = taken {
+            this.shared.grant(credit);
+            return Poll::Ready(Ok(item));
+        }
+        // Registered first, then looked: `fail` marks the connection closed
+        // before it wakes the registered receivers.
+        match this.shared.closed_error() {
+            Some(e) => Poll::Ready(Err(e)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for RecvWait {
+    fn drop(&mut self) {
+        let Some(id) = self.waiter else {
+            return;
+        };
+        let mut r = self.shared.recv.lock();
+        let before = r.waiters.len();
+        r.waiters.retain(|(w, _)| *w != id);
+        if r.waiters.len() == before && !r.queue.is_empty() {
+            // A delivery woke us and we never took its message.
+            if let Some((_, w)) = r.waiters.pop_front() {
+                drop(r);
+                w.wake();
+            }
+        }
+    }
 }
 
 /// The [`RawConnection`] for TCP. Dropping it tears the connection down.
@@ -267,8 +352,9 @@ impl TcpConnection {
                 consumed_bytes: 0,
                 peer_msgs_left: u64::from(s.agreed.ours.credits),
                 peer_bytes_left: s.agreed.ours.window,
+                waiters: VecDeque::new(),
+                next_waiter: 0,
             }),
-            recv_wake: Notify::new(),
             closed_wake: Notify::new(),
             closed: Mutex::new(None),
         });
@@ -309,7 +395,12 @@ impl Shared {
         self.pending.lock().clear();
         self.sinks.lock().clear();
         self.credit_wake.notify_waiters();
-        self.recv_wake.notify_waiters();
+        // Registered receivers look at `closed` once woken (a later one
+        // looks right after registering).
+        let receivers = std::mem::take(&mut self.recv.lock().waiters);
+        for (_, w) in receivers {
+            w.wake();
+        }
         self.writer_wake.notify_one();
         self.write_drained.notify_waiters();
         self.closed_wake.notify_waiters();
@@ -947,8 +1038,11 @@ impl Shared {
         r.peer_msgs_left -= 1;
         r.peer_bytes_left -= len;
         r.queue.push_back(item);
+        let first = r.waiters.pop_front();
         drop(r);
-        self.recv_wake.notify_one();
+        if let Some((_, w)) = first {
+            w.wake();
+        }
         Ok(())
     }
 
@@ -1455,70 +1549,39 @@ impl Shared {
         self.enqueue_many(ready)
     }
 
-    async fn recv(self: Arc<Self>) -> Result<Incoming> {
-        // Something queued already: taken without registering as a waiter.
-        if let Some(item) = self.try_recv() {
-            return Ok(item);
-        }
-        loop {
-            let notified = self.recv_wake.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            // Registered first, then looked again: a delivery in between
-            // finds the waiter (no wake-up is lost).
-            if let Some(item) = self.try_recv() {
-                return Ok(item);
-            }
-            if let Some(e) = self.closed_error() {
-                return Err(e);
-            }
-            notified.await;
-            // Woken by a delivery (the usual case): taken before registering again.
-            if let Some(item) = self.try_recv() {
-                return Ok(item);
-            }
-        }
+    /// Take the next received message or notice from `r`, if one is
+    /// queued, with the credit frame to send when a batch of credits is due
+    /// back to the peer.
+    fn take_queued(&self, r: &mut RecvState) -> Option<(Incoming, Option<Header>)> {
+        let item = r.queue.pop_front()?;
+        let len = match &item {
+            Incoming::Message(b) => b.len() as u64,
+            Incoming::WriteImm { .. } => 0,
+        };
+        r.consumed_msgs += 1;
+        r.consumed_bytes += len;
+        // Return credits in batches of a quarter window (see
+        // Limits::from_options for why this cannot deadlock).
+        let grant = r.consumed_msgs >= u64::from(self.ours.credits / 4)
+            || r.consumed_bytes >= self.ours.window / 4;
+        let frame = grant.then(|| {
+            let mut h = Header::new(Kind::Credit);
+            h.a = r.consumed_msgs;
+            h.b = r.consumed_bytes;
+            r.peer_msgs_left += r.consumed_msgs;
+            r.peer_bytes_left += r.consumed_bytes;
+            r.consumed_msgs = 0;
+            r.consumed_bytes = 0;
+            h
+        });
+        Some((item, frame))
     }
 
-    /// Take the next received message or notice, if one is queued (and
-    /// return credits to the peer when a batch of them is due).
-    fn try_recv(&self) -> Option<Incoming> {
-        {
-            let credit_frame = {
-                let mut r = self.recv.lock();
-                match r.queue.pop_front() {
-                    Some(item) => {
-                        let len = match &item {
-                            Incoming::Message(b) => b.len() as u64,
-                            Incoming::WriteImm { .. } => 0,
-                        };
-                        r.consumed_msgs += 1;
-                        r.consumed_bytes += len;
-                        // Return credits in batches of a quarter window (see
-                        // Limits::from_options for why this cannot deadlock).
-                        let grant = r.consumed_msgs >= u64::from(self.ours.credits / 4)
-                            || r.consumed_bytes >= self.ours.window / 4;
-                        let frame = grant.then(|| {
-                            let mut h = Header::new(Kind::Credit);
-                            h.a = r.consumed_msgs;
-                            h.b = r.consumed_bytes;
-                            r.peer_msgs_left += r.consumed_msgs;
-                            r.peer_bytes_left += r.consumed_bytes;
-                            r.consumed_msgs = 0;
-                            r.consumed_bytes = 0;
-                            h
-                        });
-                        Some((item, frame))
-                    }
-                    None => None,
-                }
-            };
-            let (item, frame) = credit_frame?;
-            if let Some(h) = frame {
-                // Best effort: if the connection died, the next call says so.
-                let _ = self.enqueue(OutFrame::new(h, Bytes::new()));
-            }
-            Some(item)
+    /// Send a credit frame [`Shared::take_queued`] asked for.
+    fn grant(&self, frame: Option<Header>) {
+        if let Some(h) = frame {
+            // Best effort: if the connection died, the next call says so.
+            let _ = self.enqueue(OutFrame::new(h, Bytes::new()));
         }
     }
 
@@ -1824,7 +1887,10 @@ impl RawConnection for TcpConnection {
     }
 
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {
-        Box::pin(self.shared.clone().recv())
+        Box::pin(RecvWait {
+            shared: self.shared.clone(),
+            waiter: None,
+        })
     }
 
     fn read(&self, src: RemoteRegion) -> BoxFuture<'static, Result<Bytes>> {

@@ -61,6 +61,7 @@ pub mod pool;
 pub mod stats;
 pub mod striped;
 pub mod transport;
+pub mod waiters;
 
 pub use caps::{Capabilities, Support};
 pub use conn::{

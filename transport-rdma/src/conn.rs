@@ -17,7 +17,7 @@
 //! requests that never ran are re-posted, and ones that ran complete
 //! (an atomic whose answer was lost reports [`Error::Indeterminate`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use std::sync::Arc;
 use bytes::{Buf, BufMut, Bytes};
 use parking_lot::Mutex;
 use rdmx_core::stats::new_stats;
+use rdmx_core::waiters::Waiters;
 use rdmx_core::{
     Access, AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error,
     Incoming, RawConnection, RemoteRegion, Result, Stats, Support, WriteThenSend,
@@ -388,7 +389,88 @@ struct State {
     /// Consumed since the last CREDIT message.
     consumed: (u32, u64),
     classifying: FxHashMap<u64, Reply>,
-    inc_tx: Option<mpsc::UnboundedSender<Delivery>>,
+}
+
+/// Messages delivered to the application and not yet taken, with the
+/// receivers waiting for them ([`RecvWait`]). Locked after `State` where
+/// both are held.
+struct Inbox {
+    queue: VecDeque<Delivery>,
+    waiters: Waiters,
+    /// The connection died: nothing more arrives (what is queued still
+    /// goes to receivers).
+    closed: bool,
+}
+
+impl Inbox {
+    /// Queue `d` for the application; returns the receiver to wake.
+    fn deliver(&mut self, d: Delivery) -> Option<std::task::Waker> {
+        if self.closed {
+            return None;
+        }
+        self.queue.push_back(d);
+        self.waiters.pop_first()
+    }
+}
+
+/// Waits for the next message or write-with-immediate notice
+/// (`RawConnection::recv`): looking in the [`Inbox`] and registering to wait
+/// take its one lock. Cancel-safe: a waiter dropped after a delivery woke
+/// it, without taking the message, passes the wake-up on.
+struct RecvWait {
+    sh: Arc<Shared>,
+    /// Our registration among the inbox's waiters.
+    waiter: Option<u64>,
+}
+
+impl std::future::Future for RecvWait {
+    type Output = Result<Incoming>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = &mut *self;
+        let got = {
+            let mut inbox = this.sh.inbox.lock();
+            match inbox.queue.pop_front() {
+                Some(d) => {
+                    inbox.waiters.remove(&mut this.waiter);
+                    Some(d)
+                }
+                None if inbox.closed => None,
+                None => {
+                    inbox.waiters.register(&mut this.waiter, cx.waker());
+                    return std::task::Poll::Pending;
+                }
+            }
+        };
+        std::task::Poll::Ready(match got {
+            Some(Delivery { inc, release }) => {
+                if let Some(bytes) = release {
+                    this.sh.consumed(bytes);
+                }
+                Ok(inc)
+            }
+            None => Err(this.sh.dead_error()),
+        })
+    }
+}
+
+impl Drop for RecvWait {
+    fn drop(&mut self) {
+        if self.waiter.is_none() {
+            return;
+        }
+        let mut inbox = self.sh.inbox.lock();
+        if !inbox.waiters.remove(&mut self.waiter) && !inbox.queue.is_empty() {
+            // A delivery woke us and we never took its message.
+            if let Some(w) = inbox.waiters.pop_first() {
+                drop(inbox);
+                w.wake();
+            }
+        }
+    }
 }
 
 /// A message (or write-with-immediate notice) for the application, and the
@@ -435,7 +517,7 @@ pub(crate) struct Shared {
     path: QpPeer,
     st: Mutex<State>,
     ctl: mpsc::UnboundedSender<Ctl>,
-    incoming: tokio::sync::Mutex<mpsc::UnboundedReceiver<Delivery>>,
+    inbox: Mutex<Inbox>,
     /// The peer takes bundles of messages (bundle.rs).
     peer_bundles: bool,
     credits: Mutex<Credits>,
@@ -589,7 +671,6 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
     let _ = stream.set_nodelay(true);
     let (rd, wr) = stream.into_split();
     let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
-    let (inc_tx, inc_rx) = mpsc::unbounded_channel();
     let stats = new_stats();
     stats.add(|s| &s.connections, 1);
     qp.attach_stats(stats.clone());
@@ -617,10 +698,13 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             buffered: 0,
             consumed: (0, 0),
             classifying: FxHashMap::default(),
-            inc_tx: Some(inc_tx),
         }),
         ctl: ctl_tx,
-        incoming: tokio::sync::Mutex::new(inc_rx),
+        inbox: Mutex::new(Inbox {
+            queue: VecDeque::new(),
+            waiters: Waiters::new(),
+            closed: false,
+        }),
         peer_bundles: peer.bundles,
         credits: Mutex::new(Credits {
             msgs: agreed.peer.credits,
@@ -794,7 +878,14 @@ impl Shared {
         *self.dead.lock() = Some(e.clone());
         let (replies, qp) = {
             let mut st = self.st.lock();
-            st.inc_tx = None;
+            let receivers = {
+                let mut inbox = self.inbox.lock();
+                inbox.closed = true;
+                inbox.waiters.take_all()
+            };
+            for w in receivers {
+                w.wake();
+            }
             let mut replies: Vec<Reply> = st
                 .pending
                 .values_mut()
@@ -987,27 +1078,31 @@ impl Shared {
                     };
                     st.buffered += 1;
                     self.stats.add(|s| &s.bytes_received, wc.byte_len);
-                    if let Some(tx) = &st.inc_tx {
-                        match bundle {
-                            Some(parts) => {
-                                let last = parts.len() - 1;
-                                for (i, m) in parts.into_iter().enumerate() {
-                                    let release = if i == last { release } else { None };
-                                    let inc = Incoming::Message(m);
-                                    let _ = tx.send(Delivery { inc, release });
-                                }
-                            }
-                            None => {
-                                let inc = match wc.opcode {
-                                    WcOpcode::RecvWriteImm => Incoming::WriteImm {
-                                        imm: wc.imm.unwrap_or(0),
-                                        len: wc.byte_len,
-                                    },
-                                    _ => Incoming::Message(wc.data),
-                                };
-                                let _ = tx.send(Delivery { inc, release });
+                    let mut inbox = self.inbox.lock();
+                    let mut wake = Vec::new();
+                    match bundle {
+                        Some(parts) => {
+                            let last = parts.len() - 1;
+                            for (i, m) in parts.into_iter().enumerate() {
+                                let release = if i == last { release } else { None };
+                                let inc = Incoming::Message(m);
+                                wake.extend(inbox.deliver(Delivery { inc, release }));
                             }
                         }
+                        None => {
+                            let inc = match wc.opcode {
+                                WcOpcode::RecvWriteImm => Incoming::WriteImm {
+                                    imm: wc.imm.unwrap_or(0),
+                                    len: wc.byte_len,
+                                },
+                                _ => Incoming::Message(wc.data),
+                            };
+                            wake.extend(inbox.deliver(Delivery { inc, release }));
+                        }
+                    }
+                    drop(inbox);
+                    for w in wake {
+                        w.wake();
                     }
                 }
                 WcStatus::Flushed => self.begin_reset(&mut st),
@@ -1519,19 +1614,9 @@ impl RawConnection for RdmaConnection {
     }
 
     fn recv(&self) -> BoxFuture<'static, Result<Incoming>> {
-        let sh = self.sh.clone();
-        Box::pin(async move {
-            let mut rx = sh.incoming.lock().await;
-            match rx.recv().await {
-                Some(Delivery { inc, release }) => {
-                    drop(rx);
-                    if let Some(bytes) = release {
-                        sh.consumed(bytes);
-                    }
-                    Ok(inc)
-                }
-                None => Err(sh.dead_error()),
-            }
+        Box::pin(RecvWait {
+            sh: self.sh.clone(),
+            waiter: None,
         })
     }
 

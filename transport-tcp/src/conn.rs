@@ -6,12 +6,13 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::Mutex;
 use rdmx_core::stats::Stats;
+use rdmx_core::waiters::Waiters;
 use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
     RawConnection, RemoteRegion, Result, Support,
@@ -119,12 +120,8 @@ struct RecvState {
     /// What the peer may still send us (to detect a peer overrunning credits).
     peer_msgs_left: u64,
     peer_bytes_left: u64,
-    /// Receivers waiting for a message, oldest first; a delivery wakes the
-    /// first. Kept under the queue's lock, so that looking for a message and
-    /// registering to wait for one take a single lock (`RecvWait`).
-    waiters: VecDeque<(u64, Waker)>,
-    /// Id of the next registered waiter.
-    next_waiter: u64,
+    /// Receivers waiting for a message (`RecvWait`); a delivery wakes the first.
+    waiters: Waiters,
 }
 
 /// A response to one request.
@@ -192,34 +189,14 @@ impl std::future::Future for RecvWait {
         let this = &mut *self;
         let taken = {
             let mut r = this.shared.recv.lock();
-            match this.shared.take_queued(&mut r) {
-                Some(got) => {
-                    if let Some(id) = this.waiter.take() {
-                        // Still registered (not the one a delivery woke).
-                        r.waiters.retain(|(w, _)| *w != id);
-                    }
-                    Some(got)
+            let got = this.shared.take_queued(&mut r);
+            match got {
+                Some(_) => {
+                    r.waiters.remove(&mut this.waiter);
                 }
-                None => {
-                    let waker = cx.waker();
-                    let id = match this.waiter {
-                        Some(id) => id,
-                        None => {
-                            let id = r.next_waiter;
-                            r.next_waiter += 1;
-                            this.waiter = Some(id);
-                            id
-                        }
-                    };
-                    match r.waiters.iter_mut().find(|(w, _)| *w == id) {
-                        Some((_, w)) if w.will_wake(waker) => {}
-                        Some((_, w)) => w.clone_from(waker),
-                        // New, or woken and nothing left for us: (again) last in line.
-                        None => r.waiters.push_back((id, waker.clone())),
-                    }
-                    None
-                }
+                None => r.waiters.register(&mut this.waiter, cx.waker()),
             }
+            got
         };
         if let Some((item, credit)) = taken {
             this.shared.grant(credit);
@@ -236,15 +213,13 @@ impl std::future::Future for RecvWait {
 
 impl Drop for RecvWait {
     fn drop(&mut self) {
-        let Some(id) = self.waiter else {
+        if self.waiter.is_none() {
             return;
-        };
+        }
         let mut r = self.shared.recv.lock();
-        let before = r.waiters.len();
-        r.waiters.retain(|(w, _)| *w != id);
-        if r.waiters.len() == before && !r.queue.is_empty() {
+        if !r.waiters.remove(&mut self.waiter) && !r.queue.is_empty() {
             // A delivery woke us and we never took its message.
-            if let Some((_, w)) = r.waiters.pop_front() {
+            if let Some(w) = r.waiters.pop_first() {
                 drop(r);
                 w.wake();
             }
@@ -352,8 +327,7 @@ impl TcpConnection {
                 consumed_bytes: 0,
                 peer_msgs_left: u64::from(s.agreed.ours.credits),
                 peer_bytes_left: s.agreed.ours.window,
-                waiters: VecDeque::new(),
-                next_waiter: 0,
+                waiters: Waiters::new(),
             }),
             closed_wake: Notify::new(),
             closed: Mutex::new(None),
@@ -397,8 +371,8 @@ impl Shared {
         self.credit_wake.notify_waiters();
         // Registered receivers look at `closed` once woken (a later one
         // looks right after registering).
-        let receivers = std::mem::take(&mut self.recv.lock().waiters);
-        for (_, w) in receivers {
+        let receivers = self.recv.lock().waiters.take_all();
+        for w in receivers {
             w.wake();
         }
         self.writer_wake.notify_one();
@@ -1038,9 +1012,9 @@ impl Shared {
         r.peer_msgs_left -= 1;
         r.peer_bytes_left -= len;
         r.queue.push_back(item);
-        let first = r.waiters.pop_front();
+        let first = r.waiters.pop_first();
         drop(r);
-        if let Some((_, w)) = first {
+        if let Some(w) = first {
             w.wake();
         }
         Ok(())

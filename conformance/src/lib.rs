@@ -936,7 +936,10 @@ impl Suite {
         };
         let receive = async {
             for i in 0..50u64 {
-                assert_eq!(p.server.recv_message().await.unwrap(), pattern(100 + i, 100));
+                assert_eq!(
+                    p.server.recv_message().await.unwrap(),
+                    pattern(100 + i, 100)
+                );
             }
         };
         tokio::join!(send, receive);

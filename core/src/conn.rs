@@ -4,8 +4,8 @@ use std::fmt;
 use std::future::{poll_fn, Future, IntoFuture};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::task::Poll;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;

@@ -125,15 +125,15 @@ for l in sys.stdin:
     if m.get("executable") and m.get("target", {}).get("name") == "conformance_hw":
         print(m["executable"])')
   [[ -x $bin ]] || { echo "no conformance_hw test binary"; return 1; }
-  # Every case (the 16 conformance cases with one lane and with four, the
-  # four-lane check of the lanes, and the path MTU: 34 tests),
+  # Every case (the 17 conformance cases with one lane and with four, the
+  # four-lane check of the lanes, and the path MTU: 36 tests),
   # with the path MTU checked: rxe on a 1500-byte Ethernet has 1024.
   guest --mem 3072 --nic -=198.18.0.2/24 --rxe --timeout 900 -c \
     "RDMX_TEST_RDMA_ADDR=198.18.0.2 RDMX_RDMA_DEVICE=rxe0 RDMX_TEST_EXPECT_MTU=1024 \
      $bin --ignored --test-threads=1" > "$OUT/conformance-hw.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/conformance-hw.log"
-  ((rc == 0)) && grep -q "test result: ok. 34 passed" "$OUT/conformance-hw.log"
+  ((rc == 0)) && grep -q "test result: ok. 36 passed" "$OUT/conformance-hw.log"
 }
 
 t_doctor() {

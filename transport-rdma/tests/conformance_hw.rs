@@ -147,7 +147,7 @@ fn conformance_on_a_fake_libibverbs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
-        out.status.success() && stdout.contains("test result: ok. 34 passed"),
+        out.status.success() && stdout.contains("test result: ok. 36 passed"),
         "conformance on the fake libibverbs failed:\n{stdout}\n{stderr}"
     );
 }

@@ -1079,15 +1079,17 @@ impl Shared {
                     st.buffered += 1;
                     self.stats.add(|s| &s.bytes_received, wc.byte_len);
                     let mut inbox = self.inbox.lock();
-                    let mut wake = Vec::new();
                     match bundle {
                         Some(parts) => {
                             let last = parts.len() - 1;
+                            let mut wake = Vec::new();
                             for (i, m) in parts.into_iter().enumerate() {
                                 let release = if i == last { release } else { None };
                                 let inc = Incoming::Message(m);
                                 wake.extend(inbox.deliver(Delivery { inc, release }));
                             }
+                            drop(inbox);
+                            wake.into_iter().for_each(std::task::Waker::wake);
                         }
                         None => {
                             let inc = match wc.opcode {
@@ -1097,12 +1099,13 @@ impl Shared {
                                 },
                                 _ => Incoming::Message(wc.data),
                             };
-                            wake.extend(inbox.deliver(Delivery { inc, release }));
+                            // One message: no list of receivers to wake.
+                            let first = inbox.deliver(Delivery { inc, release });
+                            drop(inbox);
+                            if let Some(w) = first {
+                                w.wake();
+                            }
                         }
-                    }
-                    drop(inbox);
-                    for w in wake {
-                        w.wake();
                     }
                 }
                 WcStatus::Flushed => self.begin_reset(&mut st),

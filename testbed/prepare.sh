@@ -52,11 +52,21 @@ if [[ ! -s $DIR/root/boot/vmlinuz-$KVER ]]; then
   rm -rf "$dl"
 fi
 
+# A cache prepared for an earlier kernel (a Debian point release since)
+# keeps that kernel's files beside this one's, and its extracted vmlinux
+# would boot with this kernel's modules in the initramfs ("invalid module
+# format"): the older kernels' files go, and vmlinux says which it is.
+for old in "$DIR"/root/lib/modules/*; do
+  [[ -d $old && ${old##*/} != "$KVER" ]] || continue
+  say "dropping kernel ${old##*/} (now $KVER)"
+  rm -rf "$old" "$DIR"/root/boot/*-"${old##*/}"
+done
+
 MODS=$DIR/root/lib/modules/$KVER
 # The package ships no modules.dep (depmod runs at install): make one.
 [[ -s $MODS/modules.dep ]] || busybox depmod -b "$DIR/root" "$KVER"
 
-if [[ ! -s $DIR/vmlinux ]]; then
+if [[ ! -s $DIR/vmlinux || $(cat "$DIR/vmlinux.kver" 2>/dev/null) != "$KVER" ]]; then
   python3 - "$DIR/root/boot/vmlinuz-$KVER" "$DIR/vmlinux.tmp" <<'PY'
 import lzma, sys
 img = open(sys.argv[1], "rb").read()
@@ -69,6 +79,7 @@ if elf[:4] != b"\x7fELF":
 open(sys.argv[2], "wb").write(elf)
 PY
   mv "$DIR/vmlinux.tmp" "$DIR/vmlinux"
+  echo "$KVER" > "$DIR/vmlinux.kver"
 fi
 
 if command -v qemu-system-x86_64 >/dev/null; then

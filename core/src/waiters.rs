@@ -11,10 +11,9 @@
 //! A receive future holds an `Option<u64>` slot for its registration and:
 //! - on each pending poll calls [`Waiters::register`] (under the queue's lock);
 //! - when it takes a message calls [`Waiters::remove`];
-//! - when dropped calls [`Waiters::remove`], and if that says a delivery had
-//!   already woken it (it was no longer registered) while messages are
-//!   queued, wakes the next waiter with [`Waiters::pop_first`], so that the
-//!   wake-up is not lost with it.
+//! - when dropped calls [`Waiters::leave`], which forgets it and, if a
+//!   delivery had already woken it while messages are still queued, gives
+//!   the next waiter to wake, so that the wake-up is not lost with it.
 
 use std::collections::VecDeque;
 use std::task::Waker;
@@ -66,9 +65,15 @@ impl Waiters {
         }
     }
 
-    /// Whether `slot` holds a waiter that was woken (no longer registered).
-    pub fn was_woken(&self, slot: &Option<u64>) -> bool {
-        slot.is_some_and(|id| !self.list.iter().any(|(w, _)| *w == id))
+    /// The waiter in `slot` leaves (its future is dropped): forget it. If a
+    /// delivery had already woken it and messages are still `queued`, return
+    /// the next waiter, to wake in its place once the lock is released.
+    pub fn leave(&mut self, slot: &mut Option<u64>, queued: bool) -> Option<Waker> {
+        let was_registered = slot.is_none() || self.remove(slot);
+        if was_registered || !queued {
+            return None;
+        }
+        self.pop_first()
     }
 
     /// Take the oldest waiter, to wake once the lock is released.
@@ -125,12 +130,11 @@ mod tests {
         w.pop_first().unwrap().wake();
         assert_eq!(ca.0.load(Ordering::SeqCst), 1);
         assert_eq!(cb.0.load(Ordering::SeqCst), 0);
-        assert!(w.was_woken(&sa) && !w.was_woken(&sb));
         // The woken one found nothing: back of the line, behind b.
         w.register(&mut sa, &a);
         w.pop_first().unwrap().wake();
         assert_eq!(cb.0.load(Ordering::SeqCst), 1);
-        assert!(!w.was_woken(&sa));
+        assert!(w.remove(&mut sa), "a is registered again");
     }
 
     #[test]
@@ -145,6 +149,25 @@ mod tests {
         let _ = w.pop_first();
         assert!(!w.remove(&mut sa), "a had been woken");
         assert!(!w.remove(&mut never), "never registered");
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn a_woken_waiter_that_leaves_passes_the_wake_up_on() {
+        let mut w = Waiters::new();
+        let (_, a) = counter();
+        let (cb, b) = counter();
+        let (mut sa, mut sb) = (None, None);
+        w.register(&mut sa, &a);
+        w.register(&mut sb, &b);
+        let _ = w.pop_first(); // a delivery wakes a
+        assert!(w.leave(&mut sa.clone(), false).is_none(), "nothing queued");
+        w.leave(&mut sa, true).expect("b in a's place").wake();
+        assert_eq!(cb.0.load(Ordering::SeqCst), 1);
+        // A waiter still registered just leaves.
+        let mut sc = None;
+        w.register(&mut sc, &a);
+        assert!(w.leave(&mut sc, true).is_none());
         assert!(w.is_empty());
     }
 

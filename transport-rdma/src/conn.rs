@@ -462,13 +462,14 @@ impl Drop for RecvWait {
         if self.waiter.is_none() {
             return;
         }
-        let mut inbox = self.sh.inbox.lock();
-        if !inbox.waiters.remove(&mut self.waiter) && !inbox.queue.is_empty() {
-            // A delivery woke us and we never took its message.
-            if let Some(w) = inbox.waiters.pop_first() {
-                drop(inbox);
-                w.wake();
-            }
+        let next = {
+            let mut inbox = self.sh.inbox.lock();
+            let queued = !inbox.queue.is_empty();
+            // Woken by a delivery whose message we never took: pass it on.
+            inbox.waiters.leave(&mut self.waiter, queued)
+        };
+        if let Some(w) = next {
+            w.wake();
         }
     }
 }

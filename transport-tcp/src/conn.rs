@@ -216,13 +216,14 @@ impl Drop for RecvWait {
         if self.waiter.is_none() {
             return;
         }
-        let mut r = self.shared.recv.lock();
-        if !r.waiters.remove(&mut self.waiter) && !r.queue.is_empty() {
-            // A delivery woke us and we never took its message.
-            if let Some(w) = r.waiters.pop_first() {
-                drop(r);
-                w.wake();
-            }
+        let next = {
+            let mut r = self.shared.recv.lock();
+            let queued = !r.queue.is_empty();
+            // Woken by a delivery whose message we never took: pass it on.
+            r.waiters.leave(&mut self.waiter, queued)
+        };
+        if let Some(w) = next {
+            w.wake();
         }
     }
 }

@@ -362,6 +362,68 @@ impl Suite {
             .await
             .unwrap();
         assert_eq!(&local.read()[..], &mr.read()[..]);
+        // Large reads into registered slices (where a transport receives
+        // straight into the slice), unaligned, around its size thresholds
+        // and over several pieces: every byte of the slice exact, every byte
+        // around it untouched.
+        const BIG: usize = (4 << 20) + 8192;
+        let big = p
+            .server_opts
+            .domain
+            .register_from(&pattern(11, BIG), Access::REMOTE_READ);
+        let br = big.remote();
+        let sink = p.client_opts.domain.register(BIG + 64, Access::LOCAL);
+        for (i, &(at, size)) in [
+            (5usize, 65_535usize),
+            (0, 65_536),
+            (4097, 65_537),
+            (17, 300_001),
+            (3, 1 << 20),
+            (0, 4 << 20),
+            (1, (4 << 20) + 4097),
+        ]
+        .iter()
+        .enumerate()
+        {
+            sink.write().fill(0xEE);
+            p.client
+                .read_into(
+                    br.slice(at as u64, size as u64).unwrap(),
+                    sink.slice(32, size).unwrap(),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("read_into #{i} of {size} bytes: {e}"));
+            let got = sink.read();
+            assert!(
+                got[32..32 + size] == big.read()[at..at + size],
+                "read_into #{i} of {size} bytes at {at}: wrong bytes"
+            );
+            assert!(
+                got[..32]
+                    .iter()
+                    .chain(&got[32 + size..])
+                    .all(|&b| b == 0xEE),
+                "read_into #{i} of {size} bytes wrote outside its slice"
+            );
+        }
+        // Eight at once into neighbouring slices of one region.
+        sink.write().fill(0);
+        let reads = (0..8usize).map(|k| {
+            p.client.read_into(
+                br.slice((k * 131_075) as u64, 131_072).unwrap(),
+                sink.slice(k * 131_072, 131_072).unwrap(),
+            )
+        });
+        for r in futures_util::future::join_all(reads.map(IntoFuture::into_future)).await {
+            r.unwrap();
+        }
+        for k in 0..8usize {
+            assert!(
+                sink.read()[k * 131_072..(k + 1) * 131_072]
+                    == big.read()[k * 131_075..k * 131_075 + 131_072],
+                "concurrent read_into #{k}: wrong bytes"
+            );
+        }
         // Length mismatches are refused locally.
         assert!(matches!(
             p.client.write(vec![1u8; 3], r.slice(0, 4).unwrap()).await,

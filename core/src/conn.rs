@@ -126,6 +126,17 @@ pub trait RawConnection: Send + Sync + 'static {
     fn read_many(&self, srcs: Vec<RemoteRegion>) -> BoxFuture<'static, Result<Vec<Bytes>>> {
         collect_in_order(srcs.into_iter().map(|s| self.read(s)).collect())
     }
+    /// Read the remote range into `dst`, a local registered slice of the
+    /// same length (checked by the caller). While the read is in flight the
+    /// slice's bytes are unspecified, as with an RDMA READ into a registered
+    /// buffer; once the returned future completes, fails or is dropped, the
+    /// transport never writes the slice again. The default reads, then
+    /// copies; a transport that can receive into the slice directly
+    /// overrides it.
+    fn read_into(&self, src: RemoteRegion, dst: LocalSlice) -> BoxFuture<'static, Result<()>> {
+        let read = self.read(src);
+        Box::pin(async move { dst.fill_from(&read.await?) })
+    }
     /// Read the remote range into `sink` at `offset`: one part of a larger
     /// read assembled in place (a read split over lanes). The default reads,
     /// then copies; a transport that can receive into the sink directly
@@ -607,8 +618,10 @@ impl Connection {
     }
 
     /// One-sided read of the remote range into a local registered slice of the
-    /// same length. The slice is written only when the read completes while this
-    /// operation is still awaited; a dropped read never writes it.
+    /// same length, as an RDMA READ into a registered buffer: while the read is
+    /// in flight the slice's bytes are unspecified (a transport may receive
+    /// straight into it, with no copy); once the operation has completed,
+    /// failed or been dropped, the slice is never written again.
     pub fn read_into(&self, src: RemoteRegion, dst: LocalSlice) -> Op<()> {
         if src.len != dst.len() as u64 {
             return self.failed(
@@ -620,15 +633,7 @@ impl Connection {
                 )),
             );
         }
-        let fut = self.raw.read(src);
-        self.op(
-            OpKind::Read,
-            src.len,
-            Box::pin(async move {
-                let data = fut.await?;
-                dst.fill_from(&data)
-            }),
-        )
+        self.op(OpKind::Read, src.len, self.raw.read_into(src, dst))
     }
 
     /// One-sided write of `data` to the remote range (lengths must match).

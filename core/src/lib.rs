@@ -27,8 +27,10 @@
 //! * data to send or write is a [`bytes::Bytes`] (or a [`LocalSlice`] copied when
 //!   the operation is created), owned by the transport until it is on the wire;
 //! * data read comes back as owned [`bytes::Bytes`]; [`Connection::read_into`]
-//!   stores into its [`LocalSlice`] only when the read completes *while the
-//!   operation is still awaited*;
+//!   may receive straight into its [`LocalSlice`] while the read is in flight
+//!   (the slice's bytes are unspecified meanwhile, as with an RDMA READ into a
+//!   registered buffer), and never writes it once the operation has
+//!   completed, failed or been dropped;
 //! * a [`LocalSlice`] keeps its region's memory alive, so memory under a transfer
 //!   is never freed.
 //!

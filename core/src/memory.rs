@@ -979,6 +979,29 @@ impl LocalSlice {
         ))
     }
 
+    /// Run `f` on `len` bytes of the slice from `offset`, under the region's
+    /// write lock (local and remote accesses to the region wait meanwhile:
+    /// keep `f` short and non-blocking, one socket read at most). A transport
+    /// receives a read's answer straight into its destination this way.
+    /// Fails if the range is outside the slice or the region was
+    /// deregistered.
+    pub fn fill_with<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::LocalAccess(AccessError::OutOfBounds));
+        }
+        let mut mem = self.region.mem.write();
+        if mem.revoked {
+            return Err(Error::LocalAccess(AccessError::Revoked));
+        }
+        let start = self.offset + offset;
+        Ok(f(&mut mem.bytes_mut()[start..start + len]))
+    }
+
     /// Store `data` (exactly `len` bytes) into the slice.
     pub fn fill_from(&self, data: &[u8]) -> Result<()> {
         if data.len() != self.len {
@@ -1153,6 +1176,35 @@ mod tests {
         drop(mr);
         assert!(matches!(
             s.to_bytes(),
+            Err(Error::LocalAccess(AccessError::Revoked))
+        ));
+    }
+
+    #[test]
+    fn fill_with_writes_its_part_of_the_slice_and_nothing_else() {
+        let d = Domain::new();
+        let mr = d.register_from(b"hello world", Access::ALL);
+        let s = mr.slice(6, 5).unwrap();
+        // Bytes 1..4 of the slice ("orl"), as a socket read into them would.
+        let n = s.fill_with(1, 3, |dst| {
+            dst.copy_from_slice(b"ORL");
+            dst.len()
+        });
+        assert_eq!(n.unwrap(), 3);
+        assert_eq!(&mr.read()[..], b"hello wORLd");
+        // Past the slice's end (not the region's): refused, nothing written.
+        assert!(matches!(
+            s.fill_with(3, 3, |dst| dst.fill(0)),
+            Err(Error::LocalAccess(AccessError::OutOfBounds))
+        ));
+        assert!(matches!(
+            s.fill_with(usize::MAX, 2, |dst| dst.fill(0)),
+            Err(Error::LocalAccess(AccessError::OutOfBounds))
+        ));
+        assert_eq!(&mr.read()[..], b"hello wORLd");
+        drop(mr);
+        assert!(matches!(
+            s.fill_with(0, 1, |dst| dst.fill(0)),
             Err(Error::LocalAccess(AccessError::Revoked))
         ));
     }

@@ -15,7 +15,7 @@ use rdmx_core::stats::Stats;
 use rdmx_core::waiters::Waiters;
 use rdmx_core::{
     AccessError, AtomicOp, BoxFuture, Capabilities, ConnectionInfo, Domain, Error, Incoming,
-    RawConnection, RemoteRegion, Result, Support,
+    LocalSlice, RawConnection, RemoteRegion, Result, Support,
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
@@ -30,6 +30,7 @@ use crate::frame::{
     STATUS_OK,
 };
 use crate::handshake::{Agreed, Limits};
+use crate::slice_sink::SliceSink;
 use rdmx_core::pool::{self, ReadSink};
 
 /// Frames carried by one `writev`.
@@ -153,6 +154,9 @@ pub(crate) struct Shared {
     /// offset (the reader takes the sink's buffer while it receives a piece
     /// into its place: no buffer per piece, no copy to join them).
     sinks: Mutex<FxHashMap<u64, (ReadSink, usize)>>,
+    /// Reads whose responses go straight into the caller's registered slice
+    /// (`read_into`).
+    slice_sinks: Mutex<FxHashMap<u64, Arc<SliceSink>>>,
     next_id: AtomicU64,
     inflight: Semaphore,
     read_budget: Semaphore,
@@ -312,6 +316,7 @@ impl TcpConnection {
             write_drained: Notify::new(),
             pending: Mutex::default(),
             sinks: Mutex::default(),
+            slice_sinks: Mutex::default(),
             next_id: AtomicU64::new(1),
             inflight: Semaphore::new(s.max_inflight as usize),
             read_budget: Semaphore::new(READ_OUTSTANDING),
@@ -369,6 +374,7 @@ impl Shared {
         // Dropping the senders wakes every waiting operation with the close error.
         self.pending.lock().clear();
         self.sinks.lock().clear();
+        self.slice_sinks.lock().clear();
         self.credit_wake.notify_waiters();
         // Registered receivers look at `closed` once woken (a later one
         // looks right after registering).
@@ -743,6 +749,41 @@ impl Shared {
         Ok(pool::freeze(dst, need))
     }
 
+    /// Receive a large read response straight into the caller's registered
+    /// slice, if its read has one of the response's length; `false` if not
+    /// (the caller then receives it as any payload, and the read copies it
+    /// in or fails on its length).
+    async fn read_into_slice(&self, h: &Header, buf: &mut BytesMut) -> Result<bool> {
+        let need = h.payload_len as usize;
+        let Some(sink) = self.slice_sinks.lock().remove(&h.id) else {
+            return Ok(false);
+        };
+        if sink.len() != need {
+            return Ok(false);
+        }
+        let have = buf.len().min(need);
+        sink.put(0, &buf.split_to(have));
+        let mut scratch = Vec::new();
+        self.read_rest(have, need, |pos| {
+            sink.receive(pos, need - pos, &mut scratch, |dst| {
+                self.stream.try_read(dst)
+            })
+        })
+        .await?;
+        self.stats.add(|s| &s.bytes_received, need as u64);
+        // A read dropped meanwhile finds no waiter: the rest of its bytes
+        // went to scratch.
+        if let Some(tx) = self.pending.lock().remove(&h.id) {
+            let _ = tx.send(Resp {
+                status: h.status,
+                value: h.a,
+                payload: Bytes::new(),
+                filled: need,
+            });
+        }
+        Ok(true)
+    }
+
     /// Receive a large read response straight into its read's [`ReadSink`],
     /// if it has one that the payload fits; `false` if not (the caller then
     /// receives it as any payload, and the read checks its length).
@@ -866,7 +907,10 @@ impl Shared {
             if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
                 uncork(&mut corked);
                 buf.advance(HEADER_LEN);
-                if h.kind == Kind::Resp && self.read_into_sink(&h, &mut buf).await? {
+                if h.kind == Kind::Resp
+                    && (self.read_into_slice(&h, &mut buf).await?
+                        || self.read_into_sink(&h, &mut buf).await?)
+                {
                     continue;
                 }
                 if h.kind == Kind::Write {
@@ -1074,16 +1118,17 @@ impl Shared {
 
     /// Send a request frame and wait for its response.
     async fn request(self: &Arc<Self>, h: Header, payload: Bytes) -> Result<Resp> {
-        self.request_into(h, payload, None).await
+        self.request_into(h, payload, None, None).await
     }
 
     /// [`request`](Self::request), its response payload received into `sink`
-    /// at an offset when it comes in large.
+    /// at an offset, or into the caller's `slice`, when it comes in large.
     async fn request_into(
         self: &Arc<Self>,
         mut h: Header,
         payload: Bytes,
         sink: Option<(ReadSink, usize)>,
+        slice: Option<Arc<SliceSink>>,
     ) -> Result<Resp> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         h.id = id;
@@ -1092,6 +1137,9 @@ impl Shared {
         if let Some(s) = sink {
             self.sinks.lock().insert(id, s);
         }
+        if let Some(s) = &slice {
+            self.slice_sinks.lock().insert(id, s.clone());
+        }
         let others_in_flight = {
             let mut pending = self.pending.lock();
             pending.insert(id, tx);
@@ -1099,6 +1147,7 @@ impl Shared {
         };
         // Removes the waiter if this future is dropped before the response.
         let mut guard = PendingGuard::new(self, id, 1, has_sink);
+        guard.slice = slice;
         if let Some(e) = self.closed_error() {
             return Err(e);
         }
@@ -1197,6 +1246,35 @@ impl Shared {
         Ok(out)
     }
 
+    /// Read `src` into the caller's registered `dst` (same length): a
+    /// response of one piece that comes in large is received straight from
+    /// the socket into the slice; a small one is copied in, and a read of
+    /// several pieces is assembled first, then copied.
+    async fn read_into(self: Arc<Self>, src: RemoteRegion, dst: LocalSlice) -> Result<()> {
+        check_rdma_len(src.len)?;
+        if (src.len as usize) < DIRECT_MIN || src.len > MAX_PIECE {
+            let data = self.read(src).await?;
+            return dst.fill_from(&data);
+        }
+        let _permit = self.inflight_permit().await?;
+        let _budget = self.read_budget_permit(src.len as u32).await?;
+        let sink = SliceSink::new(dst.clone());
+        let h = read_header(&src, 0, src.len);
+        let r = self
+            .request_into(h, Bytes::new(), None, Some(sink.clone()))
+            .await?;
+        status(r.status)?;
+        self.check_read_response(r.payload.len() + r.filled, src.len)?;
+        if !r.payload.is_empty() {
+            // Came in with other frames (buffered whole): copied in.
+            return dst.fill_from(&r.payload);
+        }
+        if sink.revoked() {
+            return Err(Error::LocalAccess(AccessError::Revoked));
+        }
+        Ok(())
+    }
+
     /// Read `src` into `sink` at `offset`, each piece's response received
     /// straight into its place.
     async fn read_part(
@@ -1285,7 +1363,7 @@ impl Shared {
         let _budget = self.read_budget_permit(len.max(1) as u32).await?;
         let h = read_header(&src, off, len);
         let r = self
-            .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)))
+            .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)), None)
             .await?;
         status(r.status)?;
         self.check_read_response(r.payload.len() + r.filled, len)?;
@@ -1607,6 +1685,9 @@ struct PendingGuard<'a> {
     count: u64,
     /// The requests registered [`ReadSink`]s too.
     sink: bool,
+    /// The request's answer goes into the caller's slice: closed on drop, so
+    /// that nothing lands in it once the operation is over.
+    slice: Option<Arc<SliceSink>>,
     /// Every response came ([`PendingGuard::answered`]).
     answered: bool,
 }
@@ -1618,6 +1699,7 @@ impl<'a> PendingGuard<'a> {
             first,
             count,
             sink,
+            slice: None,
             answered: false,
         }
     }
@@ -1644,6 +1726,10 @@ impl Drop for PendingGuard<'_> {
             for id in ids {
                 sinks.remove(&id);
             }
+        }
+        if let Some(s) = self.slice.take() {
+            self.shared.slice_sinks.lock().remove(&self.first);
+            s.close();
         }
     }
 }
@@ -1874,6 +1960,10 @@ impl RawConnection for TcpConnection {
 
     fn read_many(&self, srcs: Vec<RemoteRegion>) -> BoxFuture<'static, Result<Vec<Bytes>>> {
         Box::pin(self.shared.clone().read_many(srcs))
+    }
+
+    fn read_into(&self, src: RemoteRegion, dst: LocalSlice) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.shared.clone().read_into(src, dst))
     }
 
     fn read_part(

@@ -21,7 +21,9 @@
 //! Fast paths: `TCP_NODELAY`; a lone request is written directly by the caller;
 //! requests made while others are in flight leave together at the end of the
 //! scheduler tick, and answers to a burst of buffered requests in one `writev`;
-//! payloads are `Bytes` handed to the kernel without copies; the rest of a
+//! payloads are `Bytes` handed to the kernel without copies; a large read
+//! answer is received straight into its destination (the read's buffer, or
+//! the caller's registered slice for `read_into`); the rest of a
 //! large payload is awaited under a receive low-water mark (one wake-up per
 //! message, not per segment); optional busy
 //! polling ([`rdmx_core::Options::busy_poll`]) for latency-critical users.
@@ -33,6 +35,7 @@ mod conn;
 pub mod frame;
 pub mod handshake;
 mod lowat;
+mod slice_sink;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -836,3 +836,91 @@ async fn multi_piece_reads_land_every_byte_in_place() {
         );
     }
 }
+
+/// `read_into` receives a large answer straight into the caller's slice, and
+/// a read dropped while its answer is still coming writes nothing more: the
+/// peer here is driven by hand, so that the answer's tail is sent only after
+/// the read was dropped. The connection then reads the next answer exactly.
+#[tokio::test]
+async fn a_dropped_read_into_lands_nothing_after_the_drop() {
+    let opts = Options::default();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let (client, peer) = tokio::join!(TcpTransport::new().connect(&addr, &opts), async {
+        let (mut s, _) = l.accept().await.unwrap();
+        handshake::server(&mut s, limits(), None, handshake::Speaks::Tcp)
+            .await
+            .unwrap();
+        s
+    });
+    let (c, mut peer) = (client.unwrap(), peer);
+    let len = 1usize << 20;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    let remote = rdmx_core::RemoteRegion {
+        addr: 0x1000,
+        len: len as u64,
+        rkey: 42,
+    };
+    let local = opts.domain.register(len, Access::LOCAL);
+    local.write().fill(0xAB);
+    // The peer's answer to the read it gets: the header and the first
+    // `head` bytes now, the rest when told.
+    async fn answer_start(peer: &mut TcpStream, data: &[u8], head: usize) -> Header {
+        let mut hb = [0u8; HEADER_LEN];
+        peer.read_exact(&mut hb).await.unwrap();
+        let req = Header::decode(&hb, u64::MAX).unwrap();
+        assert_eq!(req.kind, Kind::Read);
+        let mut resp = Header::new(Kind::Resp);
+        resp.id = req.id;
+        resp.payload_len = data.len() as u32;
+        peer.write_all(&resp.encode()).await.unwrap();
+        peer.write_all(&data[..head]).await.unwrap();
+        req
+    }
+    let head = 256 << 10;
+    // Boxed, so that dropping it drops the operation (a `pin!`ned future
+    // would live on to the end of the scope).
+    let mut read = c
+        .read_into(remote, local.slice(0, len).unwrap())
+        .into_future();
+    let started = async {
+        answer_start(&mut peer, &data, head).await;
+        // Wait until the reader has taken the head in.
+        let t0 = std::time::Instant::now();
+        while local.read()[head - 1] != data[head - 1] {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the head never landed"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::select! {
+        r = &mut read => panic!("the read finished without its tail: {r:?}"),
+        () = started => {}
+    }
+    assert!(
+        local.read()[..head] == data[..head],
+        "received straight into the slice"
+    );
+    drop(read);
+    // Now the tail: consumed off the stream, written nowhere.
+    peer.write_all(&data[head..]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        local.read()[head..].iter().all(|&b| b == 0xAB),
+        "a dropped read_into wrote its slice after the drop"
+    );
+    // The stream stayed in step: the next read comes back exact.
+    local.write().fill(0);
+    let again = c.read_into(remote, local.slice(0, len).unwrap());
+    let (r, _) = tokio::join!(again.into_future(), async {
+        answer_start(&mut peer, &data, 1000).await;
+        peer.write_all(&data[1000..]).await.unwrap();
+    });
+    r.unwrap();
+    assert!(
+        local.read()[..] == data[..],
+        "the next read_into came back changed"
+    );
+}

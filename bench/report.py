@@ -112,6 +112,14 @@ tag_bw = med([x[1] * MIB_TO_MB for x in tag_bw_runs]) if tag_bw_runs else None
 stream_runs = [x for x in (rdmx(f"rdmx_stream_r{r}") for r in (1, 2, 3)) if x]
 stream = {op: med([(find(run_, op, 1048576) or {}).get("mb_per_s") for run_ in stream_runs])
           for op in ("write", "read", "send")}
+# The same reads into a registered region of the client (`--into-region`).
+stream_into_runs = [x for x in (rdmx(f"rdmx_stream_into_r{r}") for r in (1, 2, 3)) if x]
+stream_into = med([(find(run_, "read", 1048576) or {}).get("mb_per_s") for run_ in stream_into_runs])
+# Client CPU µs per read, (median, spread %), into new bytes and into the region.
+stream_cpu = {
+    name: med([(find(run_, "read", 1048576) or {}).get("cpu_us_per_op") for run_ in runs])
+    for name, runs in (("bytes", stream_runs), ("region", stream_into_runs))
+}
 fi8, fi1m = fabric("fi_pingpong_8"), fabric("fi_pingpong_1m")
 
 # The commit measured and when the run began (bench/run.sh writes them to
@@ -219,9 +227,18 @@ for op, (mine, spread) in stream.items():
     if mine:
         w(f"| rdmx tcp, two processes (UCX's shape) | {op}, 16 in flight, median of {len(stream_runs)} "
           f"(±{f(spread, 0)}%) | {f(mine, 1)} | `{cmd('rdmx_stream_r1')}` |")
+if stream_into[0]:
+    w(f"| rdmx tcp, two processes (UCX's shape) | read into a registered region (`read_into`), 16 in "
+      f"flight, median of {len(stream_into_runs)} (±{f(stream_into[1], 0)}%) | {f(stream_into[0], 1)} | "
+      f"`{cmd('rdmx_stream_into_r1')}` |")
 if fi1m:
     w(f"| libfabric tcp | fi_pingpong msg (both directions counted) | {f(fi1m[1], 1)} | `{cmd('fi_pingpong_1m')}` |")
 w("")
+if stream_cpu["bytes"][0] and stream_cpu["region"][0]:
+    w(f"Client CPU per 1 MiB read in those two-process runs (medians): "
+      f"{f(stream_cpu['bytes'][0], 1)} µs (±{f(stream_cpu['bytes'][1], 0)}%) into new owned bytes, "
+      f"{f(stream_cpu['region'][0], 1)} µs (±{f(stream_cpu['region'][1], 0)}%) into a registered region "
+      f"(TCP receives a large answer straight into the region's slice).\n")
 
 w("## Targets (issue 2), checked by the script\n")
 w("| target | measured | met |")

@@ -178,6 +178,9 @@ for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
   listening $port
   run rdmx_stream_r$r $RDMX --threads 1 perf client tcp://127.0.0.1:$port --json --mode bw \
     --duration-ms $DUR --op write,read,send --sizes 1m --window 16
+  # Reads into a registered region of the client (read_into), as ib_read_bw's.
+  run rdmx_stream_into_r$r $RDMX --threads 1 perf client tcp://127.0.0.1:$port --json --mode bw \
+    --duration-ms $DUR --op read --sizes 1m --window 16 --into-region
   kill $srv 2>/dev/null || true
   wait $srv 2>/dev/null || true
 done

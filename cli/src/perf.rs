@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use hdrhistogram::Histogram;
-use rdmx_core::{Access, Connection, Error, Incoming, Options, RemoteRegion, Transports};
+use rdmx_core::{
+    Access, Connection, Error, Incoming, LocalSlice, MemoryRegion, Options, RemoteRegion,
+    Transports,
+};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
@@ -91,6 +94,11 @@ pub(crate) struct PerfArgs {
     /// Server: serve Prometheus metrics (GET /metrics) on this address.
     #[arg(long)]
     metrics: Option<String>,
+    /// Client: reads land in a registered region of this process
+    /// (`Connection::read_into`, a slot per operation in flight), as
+    /// ib_read_bw's do; without it each read returns new owned bytes.
+    #[arg(long)]
+    into_region: bool,
     /// Busy-poll sockets for this many microseconds before sleeping (rdmx and baseline).
     #[arg(long)]
     busy_poll_us: Option<u64>,
@@ -588,8 +596,13 @@ async fn one_op(
     op: PerfOp,
     region: RemoteRegion,
     payload: &Bytes,
+    into: Option<LocalSlice>,
 ) -> Result<(), Error> {
     match op {
+        PerfOp::Read if into.is_some() => {
+            let dst = into.expect("checked");
+            c.read_into(region, dst).await?;
+        }
         PerfOp::Send => {
             c.send(payload.clone()).await?;
             c.recv_message().await?;
@@ -660,6 +673,9 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
         }
     }
     let theirs = borrow_region(&conn, p.region_len).await?;
+    let local = a
+        .into_region
+        .then(|| conn.domain().register(p.region_len as usize, Access::LOCAL));
     let busy = a.busy_poll_us.map(Duration::from_micros);
     let secret = a.secret.as_deref().map(str::as_bytes);
     if p.baseline {
@@ -771,7 +787,11 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                     let c0 = cpu_now();
                     for _ in 0..per {
                         let t = Instant::now();
-                        one_op(&conn, op, region, &pl).await?;
+                        let into = match &local {
+                            Some(m) => Some(m.slice(0, size as usize)?),
+                            None => None,
+                        };
+                        one_op(&conn, op, region, &pl, into).await?;
                         if b > 0 {
                             h.record(t.elapsed().as_nanos() as u64).expect("in bounds");
                         }
@@ -809,7 +829,8 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 let window = a.window as usize;
                 let before = conn.stats();
                 let c0 = cpu_now();
-                let (ops, elapsed) = bandwidth(&conn, op, theirs, size, window, dur).await?;
+                let (ops, elapsed) =
+                    bandwidth(&conn, op, theirs, local.as_ref(), size, window, dur).await?;
                 r.cpu_us_per_op = per_op_us(cpu_now().saturating_sub(c0), ops);
                 r.rdma = RdmaCounters::between(&conn, &before, &conn.stats());
                 let secs = elapsed.as_secs_f64();
@@ -903,6 +924,7 @@ async fn bandwidth(
     c: &Connection,
     op: PerfOp,
     theirs: RemoteRegion,
+    local: Option<&MemoryRegion>,
     size: u64,
     window: usize,
     dur: Duration,
@@ -934,12 +956,18 @@ async fn bandwidth(
     let mut inflight = FuturesUnordered::new();
     let mut slot = 0u64;
     let mut issue = |inflight: &mut FuturesUnordered<_>| -> Result<(), Error> {
-        // Each in-flight op gets its own slot of the region.
-        let region = theirs.slice((slot % window as u64) * size.max(8), size)?;
+        // Each in-flight op gets its own slot of the region (and of the
+        // local one that reads land in, if any).
+        let at = (slot % window as u64) * size.max(8);
+        let region = theirs.slice(at, size)?;
+        let into = match local {
+            Some(m) => Some(m.slice(at as usize, size as usize)?),
+            None => None,
+        };
         slot += 1;
         let c = c.clone();
         let p = p.clone();
-        inflight.push(async move { one_op(&c, op, region, &p).await });
+        inflight.push(async move { one_op(&c, op, region, &p, into).await });
         Ok(())
     };
     for _ in 0..window {

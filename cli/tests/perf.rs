@@ -597,3 +597,41 @@ fn pingpong_refuses_bad_arguments() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `--into-region`: reads land in a registered region of the client
+/// (`read_into`) on both transports, below and above the size where TCP
+/// receives straight into the slice.
+#[test]
+fn reads_into_a_registered_region() {
+    for transport in ["tcp", "rdma"] {
+        let out = rdmx()
+            .args(["perf", "--loopback", "--json", "--into-region"])
+            .args(["--transport", transport, "--op", "read"])
+            .args([
+                "--sizes",
+                "8,64k,1m",
+                "--iters",
+                "20",
+                "--duration-ms",
+                "60",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+            .collect();
+        assert_eq!(rows.len(), 3, "{transport}: {rows:?}");
+        for r in &rows {
+            assert_eq!(r["op"], "read");
+            assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["ops_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+}

@@ -8,6 +8,20 @@ use std::time::{Duration, Instant};
 
 use common::{explain, free_port, rdmx};
 
+/// The JSON rows a successful `rdmx perf --json` printed, one per line.
+fn json_rows(out: &std::process::Output) -> Vec<serde_json::Value> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
 #[test]
 fn loopback_json_and_svg() {
     let svg = std::env::temp_dir().join(format!("rdmx-perf-{}.svg", std::process::id()));
@@ -25,16 +39,7 @@ fn loopback_json_and_svg() {
         .arg(&svg)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-        .collect();
+    let rows = json_rows(&out);
     // 3 sizes for send, write, read; 1 for cas and faa.
     assert_eq!(rows.len(), 11);
     for r in &rows {
@@ -617,16 +622,7 @@ fn reads_into_a_registered_region() {
             ])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{transport}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-            .collect();
+        let rows = json_rows(&out);
         assert_eq!(rows.len(), 3, "{transport}: {rows:?}");
         for r in &rows {
             assert_eq!(r["op"], "read");

@@ -770,9 +770,16 @@ impl Shared {
             })
         })
         .await?;
+        // (A read dropped meanwhile: the rest of its bytes went to scratch.)
+        self.answer_filled(h, need);
+        Ok(true)
+    }
+
+    /// A large read response of `need` bytes was received in place: count
+    /// it and tell its waiter. A response whose read was dropped finds no
+    /// waiter (its bytes went where nobody reads them).
+    fn answer_filled(&self, h: &Header, need: usize) {
         self.stats.add(|s| &s.bytes_received, need as u64);
-        // A read dropped meanwhile finds no waiter: the rest of its bytes
-        // went to scratch.
         if let Some(tx) = self.pending.lock().remove(&h.id) {
             let _ = tx.send(Resp {
                 status: h.status,
@@ -781,7 +788,6 @@ impl Shared {
                 filled: need,
             });
         }
-        Ok(true)
     }
 
     /// Receive a large read response straight into its read's [`ReadSink`],
@@ -807,17 +813,7 @@ impl Shared {
         })
         .await?;
         drop(dst);
-        self.stats.add(|s| &s.bytes_received, need as u64);
-        // A response whose read was dropped finds no waiter: its bytes went
-        // into a buffer nobody reads.
-        if let Some(tx) = self.pending.lock().remove(&h.id) {
-            let _ = tx.send(Resp {
-                status: h.status,
-                value: h.a,
-                payload: Bytes::new(),
-                filled: need,
-            });
-        }
+        self.answer_filled(h, need);
         Ok(true)
     }
 

@@ -1253,14 +1253,10 @@ impl Shared {
             return dst.fill_from(&data);
         }
         let _permit = self.inflight_permit().await?;
-        let _budget = self.read_budget_permit(src.len as u32).await?;
         let sink = SliceSink::new(dst.clone());
-        let h = read_header(&src, 0, src.len);
         let r = self
-            .request_into(h, Bytes::new(), None, Some(sink.clone()))
+            .request_read(src, 0, src.len, None, Some(sink.clone()))
             .await?;
-        status(r.status)?;
-        self.check_read_response(r.payload.len() + r.filled, src.len)?;
         if !r.payload.is_empty() {
             // Came in with other frames (buffered whole): copied in.
             return dst.fill_from(&r.payload);
@@ -1356,19 +1352,34 @@ impl Shared {
         len: u64,
         sink: Option<(&ReadSink, usize)>,
     ) -> Result<Bytes> {
-        let _budget = self.read_budget_permit(len.max(1) as u32).await?;
-        let h = read_header(&src, off, len);
         let r = self
-            .request_into(h, Bytes::new(), sink.map(|(s, at)| (s.clone(), at)), None)
+            .request_read(src, off, len, sink.map(|(s, at)| (s.clone(), at)), None)
             .await?;
-        status(r.status)?;
-        self.check_read_response(r.payload.len() + r.filled, len)?;
         if let (Some((s, at)), false) = (sink, r.payload.is_empty()) {
             // Short enough to have come in with other frames: copied into place.
             s.fill(at, &r.payload).await?;
             return Ok(Bytes::new());
         }
         Ok(r.payload)
+    }
+
+    /// One read request of `len` bytes at `off` of `src`, under its share
+    /// of the read budget, its answer received into `sink` or `slice` when
+    /// it comes in large; the answer's status and length are checked.
+    async fn request_read(
+        self: &Arc<Self>,
+        src: RemoteRegion,
+        off: u64,
+        len: u64,
+        sink: Option<(ReadSink, usize)>,
+        slice: Option<Arc<SliceSink>>,
+    ) -> Result<Resp> {
+        let _budget = self.read_budget_permit(len.max(1) as u32).await?;
+        let h = read_header(&src, off, len);
+        let r = self.request_into(h, Bytes::new(), sink, slice).await?;
+        status(r.status)?;
+        self.check_read_response(r.payload.len() + r.filled, len)?;
+        Ok(r)
     }
 
     async fn write(

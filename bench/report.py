@@ -167,8 +167,10 @@ if wake.get("cross_cpu_us"):
       + "\n")
 w("Latency figures are **round trips** of one operation (p50, microseconds). "
   "`raw-tcp` is a plain tokio socket doing the same request/response shape as the operation "
-  "(8-byte header, no framing, no flow control), measured interleaved with rdmx so both see the "
-  "same machine conditions. *interrupt* mode sleeps in epoll; *busy-poll* spins on the socket "
+  "(8-byte header, no framing, no flow control), written as a careful TCP program is: both ends "
+  "receive into a buffer, and what goes together (the requests a window allows, the answers to "
+  "requests read together) leaves in one call; `rdmx perf` corks the operations it replaces "
+  "together likewise. It runs interleaved with rdmx so both see the same machine conditions. *interrupt* mode sleeps in epoll; *busy-poll* spins on the socket "
   "before sleeping (rdmx `--busy-poll-us 100`; UCX and libfabric always poll).\n")
 
 w("## rdmx over TCP against raw TCP (interrupt mode)\n")

@@ -15,6 +15,7 @@ use tracing::Instrument;
 use crate::caps::Capabilities;
 use crate::error::{Error, Result};
 use crate::memory::{AtomicOp, Domain, LocalSlice, MemoryRegion, RemoteRegion};
+use crate::shared_deadline::SharedDeadline;
 use crate::stats::{Stats, StatsSnapshot};
 
 /// A boxed, sendable future (what transports return).
@@ -349,22 +350,29 @@ impl<T> Op<T> {
 }
 
 /// `fut`'s output, or `None` if it is still pending `d` after it first had
-/// to wait. The deadline is armed only then: an operation that finishes on
-/// its first poll (a send queued on TCP, a post) never reads the clock, looks
-/// up the runtime's timer or builds a timer entry, and one that waits is
-/// polled once per wake-up, as under `tokio::time::timeout`.
+/// to wait (and at most a tick of `d / 32` more: see
+/// [`crate::shared_deadline`]). The deadline is armed only then: an
+/// operation that finishes on its first poll (a send queued on TCP, a post)
+/// never reads the clock or joins a timer, and one that waits is polled once
+/// per wake-up, as under `tokio::time::timeout`.
 async fn with_deadline<T>(mut fut: BoxFuture<'static, T>, d: Duration) -> Option<T> {
-    let mut deadline = std::pin::pin!(None::<tokio::time::Sleep>);
+    let mut deadline = None::<SharedDeadline>;
     poll_fn(|cx| {
         if let Poll::Ready(r) = fut.as_mut().poll(cx) {
             return Poll::Ready(Some(r));
         }
-        if deadline.is_none() {
-            deadline.set(Some(tokio::time::sleep(d)));
-        }
-        match deadline.as_mut().as_pin_mut().map(|s| s.poll(cx)) {
-            Some(Poll::Ready(())) => Poll::Ready(None),
-            _ => Poll::Pending,
+        let passed = match &mut deadline {
+            // Made with this poll's waker: nothing to update.
+            None => {
+                deadline = Some(SharedDeadline::new(d, cx.waker()));
+                false
+            }
+            Some(dl) => dl.poll(cx).is_ready(),
+        };
+        if passed {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
         }
     })
     .await

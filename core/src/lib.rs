@@ -60,6 +60,7 @@ pub mod lanes;
 pub mod memory;
 pub mod metrics;
 pub mod pool;
+mod shared_deadline;
 pub mod stats;
 pub mod striped;
 pub mod transport;

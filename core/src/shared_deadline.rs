@@ -37,6 +37,8 @@ use tokio::time::Instant;
 const MIN_TICK: Duration = Duration::from_millis(1);
 /// The longest tick: how late a long deadline may fire at most.
 const MAX_TICK: Duration = Duration::from_millis(100);
+/// The longest deadline kept as given (longer ones fire after this).
+const FAR: Duration = Duration::from_secs(86400 * 365 * 30);
 /// Batches a thread keeps at hand to join (one per deadline length in use).
 const KEPT: usize = 4;
 
@@ -104,6 +106,9 @@ impl SharedDeadline {
     pub(crate) fn new(d: Duration, waker: &Waker) -> SharedDeadline {
         let rt = Handle::current();
         let now = Instant::now();
+        // A deadline past what the clock can name is, as tokio's `sleep`
+        // makes it, about 30 years out.
+        let d = d.min(FAR);
         let earliest = now + d;
         let latest = earliest + tick(d);
         loop {
@@ -230,6 +235,14 @@ mod tests {
         // A different length has its own batch.
         let e = deadline(Duration::from_millis(100)).await;
         assert!(!Arc::ptr_eq(&c.batch, &e.batch));
+    }
+
+    #[tokio::test]
+    async fn a_deadline_past_the_clocks_range_never_fires() {
+        let dl = deadline(Duration::MAX).await;
+        assert!(dl.batch.due > Instant::now() + Duration::from_secs(86400 * 365));
+        let waited = tokio::time::timeout(Duration::from_millis(20), dl).await;
+        assert!(waited.is_err());
     }
 
     #[tokio::test(start_paused = true)]

@@ -69,6 +69,11 @@ cleanup() {
   NS=""
 }
 trap cleanup EXIT
+# A run killed outright (SIGKILL skips the EXIT trap) leaves its namespace
+# behind, taps and bridge included: remove those whose run is gone.
+for old in $(ip netns list 2>/dev/null | awk '$1 ~ /^rdmxtb[0-9]+$/ {print $1}'); do
+  kill -0 "${old#rdmxtb}" 2>/dev/null || "$HERE/net.sh" down "$old"
+done
 net_up() { NS=rdmxtb$$; "$HERE/net.sh" up "$NS" "${@:-tap0}"; }
 ns() { ip netns exec "$NS" "$@"; }
 # bg CMD...: run CMD in the namespace in the background (its pid in BG;

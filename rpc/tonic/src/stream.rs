@@ -39,6 +39,8 @@ pub(crate) const CHUNK: usize = 256 << 10;
 pub(crate) const MAX_SENDS: usize = 16;
 /// Bytes a stream has in flight at most.
 pub(crate) const MAX_SENDING: usize = 4 << 20;
+/// Bytes a writer may have buffered ahead of the sender.
+pub(crate) const MAX_BUFFERED: usize = 4 << 20;
 
 /// Which flushes post their send themselves (when the sender is idle)
 /// instead of handing the bytes to the sender task, which coalesces the
@@ -76,8 +78,6 @@ impl DirectSends {
         }
     }
 }
-/// Bytes a writer may have buffered ahead of the sender.
-pub(crate) const MAX_BUFFERED: usize = 4 << 20;
 
 /// What the writer and the sender task share.
 #[derive(Default)]
@@ -539,23 +539,8 @@ mod tests {
         (c.unwrap(), s.unwrap())
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn ping_pong_leaves_the_sender_asleep() {
-        const N: u32 = 200;
-        let (c, s) = pair(&rdmx_transport_tcp::TcpTransport::new(), "127.0.0.1:0").await;
-        let woken = ping_pong_sender_wakes(c, s, N).await;
-        assert!(
-            woken <= u64::from(N) / 5,
-            "{woken} wake-ups for {} flushes",
-            2 * N
-        );
-    }
-
-    /// The same over soft RoCE: a flush posts its send, so the peer's ACK
-    /// wakes no sender task (it woke one twice per flush before).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn ping_pong_over_soft_roce_leaves_the_sender_asleep() {
-        const N: u32 = 200;
+    /// A soft RoCE transport on an ephemeral UDP port.
+    fn soft_roce_transport() -> rdmx_transport_rdma::RdmaTransport {
         let dev = std::sync::Arc::new(
             rdmx_transport_rdma::SoftRoce::new(rdmx_transport_rdma::SoftConfig {
                 port: 0,
@@ -563,14 +548,34 @@ mod tests {
             })
             .unwrap(),
         );
-        let t = rdmx_transport_rdma::RdmaTransport::with_provider(dev);
+        rdmx_transport_rdma::RdmaTransport::with_provider(dev)
+    }
+
+    /// Fails if the sender tasks were woken more than `limit` times.
+    fn assert_sender_mostly_asleep(woken: u64, limit: u32, flushes: u32) {
+        assert!(
+            woken <= u64::from(limit),
+            "{woken} wake-ups for {flushes} flushes"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_leaves_the_sender_asleep() {
+        const N: u32 = 200;
+        let (c, s) = pair(&rdmx_transport_tcp::TcpTransport::new(), "127.0.0.1:0").await;
+        let woken = ping_pong_sender_wakes(c, s, N).await;
+        assert_sender_mostly_asleep(woken, N / 5, 2 * N);
+    }
+
+    /// The same over soft RoCE: a flush posts its send, so the peer's ACK
+    /// wakes no sender task (it woke one twice per flush before).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_over_soft_roce_leaves_the_sender_asleep() {
+        const N: u32 = 200;
+        let t = soft_roce_transport();
         let (c, s) = pair(&t, "127.0.0.1:0").await;
         let woken = ping_pong_sender_wakes(c, s, N).await;
-        assert!(
-            woken <= u64::from(N) / 5,
-            "{woken} wake-ups for {} flushes",
-            2 * N
-        );
+        assert_sender_mostly_asleep(woken, N / 5, 2 * N);
     }
 
     /// Over the TCP transport, a 64 KiB body written as HTTP/2 writes it
@@ -600,11 +605,7 @@ mod tests {
             a.read_exact(&mut ack).await.unwrap();
         }
         let woken = wakes(&a) - a0;
-        assert!(
-            woken <= u64::from(N) / 5,
-            "{woken} wake-ups for {} flushes",
-            4 * N
-        );
+        assert_sender_mostly_asleep(woken, N / 5, 4 * N);
     }
 
     /// Over RDMA only flushes of at most 8 KiB send themselves, and the
@@ -620,14 +621,7 @@ mod tests {
                 per_tick: 16
             }
         );
-        let dev = std::sync::Arc::new(
-            rdmx_transport_rdma::SoftRoce::new(rdmx_transport_rdma::SoftConfig {
-                port: 0,
-                ..Default::default()
-            })
-            .unwrap(),
-        );
-        let t = rdmx_transport_rdma::RdmaTransport::with_provider(dev);
+        let t = soft_roce_transport();
         let (c, _s) = pair(&t, "127.0.0.1:0").await;
         assert_eq!(
             DirectSends::for_connection(&c),

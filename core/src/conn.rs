@@ -1,16 +1,15 @@
 //! Connections and their operations.
 
 use std::fmt;
-use std::future::{poll_fn, Future, IntoFuture};
+use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tracing::Instrument;
 
 use crate::caps::Capabilities;
 use crate::error::{Error, Result};
@@ -325,13 +324,33 @@ impl OpKind {
 /// cancellation guarantees.
 #[must_use = "operations do nothing unless awaited"]
 pub struct Op<T> {
-    fut: BoxFuture<'static, Result<T>>,
+    fut: OpInner<T>,
     timeout: Option<Duration>,
     kind: OpKind,
     bytes: u64,
     /// Operations this one stands for in the counters (a batch of sends: several).
     count: u64,
     stats: Arc<Stats>,
+}
+
+/// What an [`Op`] awaits: the transport's future, or its receive and the
+/// conversion of what arrives (a typed receive without a second boxed
+/// future around the first).
+enum OpInner<T> {
+    Plain(BoxFuture<'static, Result<T>>),
+    Received(
+        BoxFuture<'static, Result<Incoming>>,
+        fn(Incoming) -> Result<T>,
+    ),
+}
+
+impl<T> OpInner<T> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        match self {
+            OpInner::Plain(f) => f.as_mut().poll(cx),
+            OpInner::Received(f, convert) => f.as_mut().poll(cx).map(|r| r.and_then(*convert)),
+        }
+    }
 }
 
 impl<T> Op<T> {
@@ -349,40 +368,11 @@ impl<T> Op<T> {
     }
 }
 
-/// `fut`'s output, or `None` if it is still pending `d` after it first had
-/// to wait (and at most a tick of `d / 32` more: see
-/// [`crate::shared_deadline`]). The deadline is armed only then: an
-/// operation that finishes on its first poll (a send queued on TCP, a post)
-/// never reads the clock or joins a timer, and one that waits is polled once
-/// per wake-up, as under `tokio::time::timeout`.
-async fn with_deadline<T>(mut fut: BoxFuture<'static, T>, d: Duration) -> Option<T> {
-    let mut deadline = None::<SharedDeadline>;
-    poll_fn(|cx| {
-        if let Poll::Ready(r) = fut.as_mut().poll(cx) {
-            return Poll::Ready(Some(r));
-        }
-        let passed = match &mut deadline {
-            // Made with this poll's waker: nothing to update.
-            None => {
-                deadline = Some(SharedDeadline::new(d, cx.waker()));
-                false
-            }
-            Some(dl) => dl.poll(cx).is_ready(),
-        };
-        if passed {
-            Poll::Ready(None)
-        } else {
-            Poll::Pending
-        }
-    })
-    .await
-}
-
 impl<T: Send + 'static> IntoFuture for Op<T> {
     type Output = Result<T>;
-    type IntoFuture = BoxFuture<'static, Result<T>>;
+    type IntoFuture = OpFuture<T>;
 
-    fn into_future(self) -> Self::IntoFuture {
+    fn into_future(self) -> OpFuture<T> {
         let Op {
             fut,
             timeout,
@@ -391,41 +381,99 @@ impl<T: Send + 'static> IntoFuture for Op<T> {
             count,
             stats,
         } = self;
-        let span = tracing::trace_span!("rdmx.op", op = kind.as_str(), bytes);
-        Box::pin(
-            async move {
-                let res = match timeout {
-                    Some(d) => match with_deadline(fut, d).await {
-                        Some(r) => r,
-                        None => {
-                            stats.add(|s| &s.timeouts, 1);
-                            Err(Error::TimedOut(d))
-                        }
-                    },
-                    None => fut.await,
+        OpFuture {
+            fut: Some(fut),
+            timeout,
+            deadline: None,
+            kind,
+            count,
+            stats,
+            span: tracing::trace_span!("rdmx.op", op = kind.as_str(), bytes),
+        }
+    }
+}
+
+/// An [`Op`] being awaited: the transport's operation under its deadline,
+/// counted when it ends. The deadline is armed only once the operation has
+/// to wait (an operation that finishes on its first poll, a send queued on
+/// TCP or a post, never reads the clock or joins a timer), and it fires at
+/// most a tick of `d / 32` late (see [`crate::shared_deadline`]). A plain
+/// struct rather than a boxed `async` block: no allocation of its own per
+/// operation.
+#[must_use = "futures do nothing unless polled"]
+pub struct OpFuture<T> {
+    /// The operation; dropped (cancelled, if unfinished) once this ends.
+    fut: Option<OpInner<T>>,
+    timeout: Option<Duration>,
+    deadline: Option<SharedDeadline>,
+    kind: OpKind,
+    count: u64,
+    stats: Arc<Stats>,
+    span: tracing::Span,
+}
+
+impl<T> fmt::Debug for OpFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpFuture")
+            .field("op", &self.kind.as_str())
+            .field("timeout", &self.timeout)
+            .field("done", &self.fut.is_none())
+            .finish()
+    }
+}
+
+impl<T> Future for OpFuture<T> {
+    type Output = Result<T>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = &mut *self;
+        let _entered = this.span.enter();
+        let Some(fut) = this.fut.as_mut() else {
+            panic!("an operation's future polled after it finished");
+        };
+        let res = match fut.poll(cx) {
+            Poll::Ready(r) => r,
+            Poll::Pending => {
+                let Some(d) = this.timeout else {
+                    return Poll::Pending;
                 };
-                match &res {
-                    Ok(_) => match kind {
-                        OpKind::Read => stats.add(|s| &s.reads, count),
-                        OpKind::Write => stats.add(|s| &s.writes, count),
-                        OpKind::Atomic => stats.add(|s| &s.atomics, count),
-                        OpKind::Send => stats.add(|s| &s.sends, count),
-                        OpKind::Recv => stats.add(|s| &s.recvs, count),
-                        OpKind::Close => {}
-                        OpKind::WriteThenSend => {
-                            stats.add(|s| &s.writes, count);
-                            stats.add(|s| &s.sends, count);
-                        }
-                    },
-                    Err(e) => {
-                        stats.add(|s| &s.errors, 1);
-                        tracing::debug!(error = %e, "operation failed");
+                let passed = match &mut this.deadline {
+                    // Made with this poll's waker: nothing to update.
+                    None => {
+                        this.deadline = Some(SharedDeadline::new(d, cx.waker()));
+                        false
                     }
+                    Some(dl) => dl.poll(cx).is_ready(),
+                };
+                if !passed {
+                    return Poll::Pending;
                 }
-                res
+                this.stats.add(|s| &s.timeouts, 1);
+                Err(Error::TimedOut(d))
             }
-            .instrument(span),
-        )
+        };
+        this.fut = None;
+        this.deadline = None;
+        let (stats, count) = (&this.stats, this.count);
+        match &res {
+            Ok(_) => match this.kind {
+                OpKind::Read => stats.add(|s| &s.reads, count),
+                OpKind::Write => stats.add(|s| &s.writes, count),
+                OpKind::Atomic => stats.add(|s| &s.atomics, count),
+                OpKind::Send => stats.add(|s| &s.sends, count),
+                OpKind::Recv => stats.add(|s| &s.recvs, count),
+                OpKind::Close => {}
+                OpKind::WriteThenSend => {
+                    stats.add(|s| &s.writes, count);
+                    stats.add(|s| &s.sends, count);
+                }
+            },
+            Err(e) => {
+                stats.add(|s| &s.errors, 1);
+                tracing::debug!(error = %e, "operation failed");
+            }
+        }
+        Poll::Ready(res)
     }
 }
 
@@ -465,6 +513,18 @@ impl Connection {
     }
 
     fn op<T>(&self, kind: OpKind, bytes: u64, fut: BoxFuture<'static, Result<T>>) -> Op<T> {
+        self.op_of(kind, bytes, OpInner::Plain(fut))
+    }
+
+    /// A receive whose message `convert` turns into the result, without a
+    /// deadline (as [`Connection::recv`]).
+    fn typed_recv<T>(&self, convert: fn(Incoming) -> Result<T>) -> Op<T> {
+        let mut op = self.op_of(OpKind::Recv, 0, OpInner::Received(self.raw.recv(), convert));
+        op.timeout = None;
+        op
+    }
+
+    fn op_of<T>(&self, kind: OpKind, bytes: u64, fut: OpInner<T>) -> Op<T> {
         Op {
             fut,
             timeout: Some(self.op_timeout),
@@ -574,14 +634,7 @@ impl Connection {
 
     /// Receive the next two-sided message.
     pub fn recv_message(&self) -> Op<Bytes> {
-        let fut = self.raw.recv();
-        let mut op = self.op(
-            OpKind::Recv,
-            0,
-            Box::pin(async move { fut.await?.into_message() }),
-        );
-        op.timeout = None;
-        op
+        self.typed_recv(Incoming::into_message)
     }
 
     /// Tell the peer about one of our regions: sends its [`RemoteRegion`] as
@@ -597,14 +650,7 @@ impl Connection {
     /// [`Error::Protocol`] error that says what arrived instead. No deadline
     /// by default, like [`Connection::recv`].
     pub fn recv_region(&self) -> Op<RemoteRegion> {
-        let fut = self.raw.recv();
-        let mut op = self.op(
-            OpKind::Recv,
-            0,
-            Box::pin(async move { RemoteRegion::from_message(&fut.await?.into_message()?) }),
-        );
-        op.timeout = None;
-        op
+        self.typed_recv(|m| RemoteRegion::from_message(&m.into_message()?))
     }
 
     /// One-sided read of the remote range into new owned bytes.
@@ -809,5 +855,104 @@ impl fmt::Debug for Cork<'_> {
 impl Drop for Cork<'_> {
     fn drop(&mut self) {
         self.conn.raw.uncork();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Sets its flag when dropped (the operation was cancelled or ended).
+    struct DropFlag(Arc<AtomicBool>);
+
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn op<T: Send + 'static>(fut: OpInner<T>, kind: OpKind, timeout: Option<Duration>) -> Op<T> {
+        Op {
+            fut,
+            timeout,
+            kind,
+            bytes: 8,
+            count: 3,
+            stats: crate::stats::new_stats(),
+        }
+    }
+
+    /// An operation still waiting at its deadline ends with `TimedOut`,
+    /// counted, and is dropped (cancelled) right then, not only when its
+    /// future is.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_cancels_the_operation_and_counts() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let flag = DropFlag(dropped.clone());
+        let never: BoxFuture<'static, Result<()>> = Box::pin(async move {
+            let _flag = flag;
+            std::future::pending::<()>().await;
+            Ok(())
+        });
+        let op = op(
+            OpInner::Plain(never),
+            OpKind::Send,
+            Some(Duration::from_millis(40)),
+        );
+        let stats = op.stats.clone();
+        let mut fut = op.into_future();
+        let t0 = tokio::time::Instant::now();
+        let res = (&mut fut).await;
+        assert!(matches!(res, Err(Error::TimedOut(d)) if d == Duration::from_millis(40)));
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(40), "{waited:?}");
+        assert!(waited <= Duration::from_millis(42), "{waited:?}");
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the operation outlived its deadline"
+        );
+        let s = stats.snapshot();
+        assert_eq!((s.timeouts, s.errors, s.sends), (1, 1, 0));
+        drop(fut);
+    }
+
+    /// A finished operation counts as many operations as it stands for; a
+    /// typed receive converts what arrives, and a wrong kind is an error,
+    /// counted as one.
+    #[tokio::test]
+    async fn finished_operations_count_and_receives_convert() {
+        let sent: BoxFuture<'static, Result<()>> = Box::pin(async { Ok(()) });
+        let op1 = op(
+            OpInner::Plain(sent),
+            OpKind::Send,
+            Some(Duration::from_secs(1)),
+        );
+        let stats = op1.stats.clone();
+        op1.await.unwrap();
+        assert_eq!(stats.snapshot().sends, 3);
+
+        let message: BoxFuture<'static, Result<Incoming>> =
+            Box::pin(async { Ok(Incoming::Message(Bytes::from_static(b"abc"))) });
+        let op2 = op(
+            OpInner::Received(message, Incoming::into_message),
+            OpKind::Recv,
+            None,
+        );
+        let stats = op2.stats.clone();
+        assert_eq!(&op2.await.unwrap()[..], b"abc");
+        assert_eq!(stats.snapshot().recvs, 3);
+
+        let notice: BoxFuture<'static, Result<Incoming>> =
+            Box::pin(async { Ok(Incoming::WriteImm { imm: 7, len: 0 }) });
+        let op3 = op(
+            OpInner::Received(notice, Incoming::into_message),
+            OpKind::Recv,
+            None,
+        );
+        let stats = op3.stats.clone();
+        assert!(matches!(op3.await, Err(Error::InvalidArgument(_))));
+        let s = stats.snapshot();
+        assert_eq!((s.recvs, s.errors), (0, 1));
     }
 }

@@ -68,8 +68,8 @@ pub mod waiters;
 
 pub use caps::{Capabilities, Support};
 pub use conn::{
-    BoxFuture, Connection, ConnectionInfo, Cork, Incoming, Op, RawConnection, WriteThenSend,
-    DEFAULT_OP_TIMEOUT,
+    BoxFuture, Connection, ConnectionInfo, Cork, Incoming, Op, OpFuture, RawConnection,
+    WriteThenSend, DEFAULT_OP_TIMEOUT,
 };
 pub use error::{AccessError, Error, Result};
 pub use lanes::LaneTag;

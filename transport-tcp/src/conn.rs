@@ -164,6 +164,10 @@ pub(crate) struct Shared {
     answers_queued: AtomicUsize,
 
     send_order: tokio::sync::Mutex<()>,
+    /// Senders holding or waiting for their turn ([`SendTurn`]): while any
+    /// is, a new send queues for its turn too; while none is, a send with
+    /// credit at hand posts at once, taking no turn.
+    turns: AtomicUsize,
     credits: Mutex<Credits>,
     credit_wake: Notify,
 
@@ -322,6 +326,7 @@ impl TcpConnection {
             read_budget: Semaphore::new(READ_OUTSTANDING),
             answers_queued: AtomicUsize::new(0),
             send_order: tokio::sync::Mutex::new(()),
+            turns: AtomicUsize::new(0),
             credits: Mutex::new(Credits {
                 msgs: u64::from(peer.credits),
                 bytes: peer.window,
@@ -1571,20 +1576,21 @@ impl Shared {
     async fn send(self: Arc<Self>, msg: Bytes) -> Result<()> {
         let len = msg.len() as u64;
         self.check_message(len)?;
-        // FIFO among concurrent senders; dropping while waiting sends nothing.
-        let _order = self.send_turn().await;
-        self.take_credit(len).await?;
+        // Nobody else sending, and credit at hand (the common case): no turn
+        // to take. (A closed connection is reported by `enqueue`.)
+        if self.turns.load(Ordering::Acquire) > 0 || !self.try_take_credit(len) {
+            // FIFO among concurrent senders; dropping while waiting sends nothing.
+            let _order = self.send_turn().await;
+            self.take_credit(len).await?;
+        }
         self.stats.add(|s| &s.bytes_sent, len);
         self.enqueue(OutFrame::new(Header::new(Kind::Send), msg))
     }
 
     /// This sender's turn among concurrent ones (FIFO: a free lock is only
     /// taken at once when nobody queues for it).
-    async fn send_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        match self.send_order.try_lock() {
-            Ok(turn) => turn,
-            Err(_) => self.send_order.lock().await,
-        }
+    async fn send_turn(&self) -> SendTurn<'_> {
+        take_turn(&self.send_order, &self.turns).await
     }
 
     /// Several messages in order, in as few `writev`s as credits allow: the
@@ -1675,6 +1681,44 @@ impl Shared {
         }
         self.fail(Error::Disconnected("connection closed locally".into()));
         Ok(())
+    }
+}
+
+/// A sender's turn ([`Shared::send_turn`]): holds the order lock, and
+/// counts itself in [`Shared::turns`] from before it waits for the lock
+/// until it is dropped.
+struct SendTurn<'a> {
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+    _counted: TurnCount<'a>,
+}
+
+/// A turn of `order`, counted in `turns` from before it waits.
+async fn take_turn<'a>(order: &'a tokio::sync::Mutex<()>, turns: &'a AtomicUsize) -> SendTurn<'a> {
+    let counted = TurnCount::new(turns);
+    let turn = match order.try_lock() {
+        Ok(turn) => turn,
+        Err(_) => order.lock().await,
+    };
+    SendTurn {
+        _turn: turn,
+        _counted: counted,
+    }
+}
+
+/// One in [`Shared::turns`] while it lives (dropped with a cancelled wait
+/// for the turn, too).
+struct TurnCount<'a>(&'a AtomicUsize);
+
+impl<'a> TurnCount<'a> {
+    fn new(turns: &'a AtomicUsize) -> TurnCount<'a> {
+        turns.fetch_add(1, Ordering::AcqRel);
+        TurnCount(turns)
+    }
+}
+
+impl Drop for TurnCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -2020,6 +2064,38 @@ impl RawConnection for TcpConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sender counts in `turns` from before it waits for its turn until it
+    /// is done, a cancelled wait included: while one waits, a send with
+    /// credit at hand may not post past it (`Shared::send`).
+    #[tokio::test]
+    async fn turns_count_holders_and_waiters_until_they_go() {
+        use std::future::Future;
+        let order = tokio::sync::Mutex::new(());
+        let turns = AtomicUsize::new(0);
+        let count = || turns.load(Ordering::Acquire);
+        let first = take_turn(&order, &turns).await;
+        assert_eq!(count(), 1);
+        let mut waiting = Box::pin(take_turn(&order, &turns));
+        let noop = std::task::Waker::noop();
+        assert!(waiting
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(noop))
+            .is_pending());
+        assert_eq!(count(), 2, "a waiter counts before it has the turn");
+        drop(waiting);
+        assert_eq!(count(), 1, "a cancelled wait leaves no count behind");
+        let mut next = Box::pin(take_turn(&order, &turns));
+        assert!(next
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(noop))
+            .is_pending());
+        drop(first);
+        let second = next.await;
+        assert_eq!(count(), 1, "the turn passed on");
+        drop(second);
+        assert_eq!(count(), 0);
+    }
 
     #[test]
     fn pieces_cover_exactly() {

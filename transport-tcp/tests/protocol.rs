@@ -924,3 +924,35 @@ async fn a_dropped_read_into_lands_nothing_after_the_drop() {
         "the next read_into came back changed"
     );
 }
+
+/// Small messages that arrive one at a time share the reader's buffer while
+/// the receiver holds them: each follows the one before it in memory (a
+/// fresh buffer per message, as when the reader grew its buffer before every
+/// read, cost an allocation and a cold 64 KiB of cache per message). Every
+/// byte is checked.
+#[tokio::test]
+async fn held_small_messages_share_the_read_buffer() {
+    let (c, s) = both(Options::default(), Options::default()).await;
+    let (c, s) = (c.unwrap(), s.unwrap());
+    const N: usize = 100;
+    let mut held = Vec::with_capacity(N);
+    for i in 0..N {
+        let msg = (i as u64).to_le_bytes();
+        c.send(msg.to_vec()).await.unwrap();
+        let got = s.recv_message().await.unwrap();
+        assert_eq!(&got[..], &msg[..]);
+        held.push(got);
+        // One message at a time: the next is sent once this one is held.
+        s.send(&b"k"[..]).await.unwrap();
+        assert_eq!(&c.recv_message().await.unwrap()[..], b"k");
+    }
+    let adjacent = held
+        .windows(2)
+        .filter(|w| w[1].as_ptr() as usize == w[0].as_ptr() as usize + 8 + HEADER_LEN)
+        .count();
+    assert!(
+        adjacent >= N - 1 - N / 10,
+        "only {adjacent} of {} messages follow the one before in the read buffer",
+        N - 1
+    );
+}

@@ -53,13 +53,17 @@ const MAX_ANSWERS_QUEUED: usize = READ_OUTSTANDING + (16 << 20);
 const DIRECT_MIN: usize = 64 << 10;
 /// Socket read buffer growth step.
 const READ_CHUNK: usize = 64 << 10;
-/// The read buffer grows (by [`READ_CHUNK`]) only when less room than this
-/// is left: small frames are read into the rest of the buffer they share.
-/// (Growing before every read, as when it asked for a whole chunk of room,
+/// After small frames, the read buffer grows (by [`READ_CHUNK`]) only when
+/// less room than this is left: small frames are read into the rest of the
+/// buffer they share. (Growing to a whole chunk of room before every read
 /// cost a fresh 64 KiB buffer per message while the last one's payload was
 /// still held: 1,000 of the 14,500 user-space instructions of an 8 B send
-/// round trip, both ends counted, by callgrind.)
+/// round trip, both ends counted, by callgrind.) After a larger frame, each
+/// read has a chunk of room at least, and the buffer grows by
+/// [`READ_BULK`]: several frames per read, few buffers.
 const READ_MIN_ROOM: usize = 4 << 10;
+/// Read buffer growth step after large frames (see [`READ_MIN_ROOM`]).
+const READ_BULK: usize = 4 * READ_CHUNK;
 /// The largest receive low-water mark set while a large payload arrives: a
 /// 1 MiB message wakes its reader once (measured against 256 KiB and 512
 /// KiB: 1 MiB streaming reads and sends 15-20% faster). The kernel grows the
@@ -667,11 +671,18 @@ impl Shared {
 
     // ---------------------------------------------------------------- reading
 
-    async fn read_more(&self, buf: &mut BytesMut) -> io::Result<()> {
+    /// Read more into `buf`, waiting as needed, with at least `min_room`
+    /// bytes of room for it (see [`READ_MIN_ROOM`]).
+    async fn read_more(&self, buf: &mut BytesMut, min_room: usize) -> io::Result<()> {
         let mut spin_start: Option<Instant> = None;
         loop {
-            if buf.capacity() - buf.len() < READ_MIN_ROOM {
-                buf.reserve(READ_CHUNK);
+            if buf.capacity() - buf.len() < min_room {
+                let step = if min_room > READ_MIN_ROOM {
+                    READ_BULK
+                } else {
+                    READ_CHUNK
+                };
+                buf.reserve(step.max(min_room));
             }
             // A read that leaves room in the buffer emptied the socket's
             // receive queue: readiness is cleared now, instead of by one more
@@ -895,6 +906,8 @@ impl Shared {
         // Answers are corked while further requests are already buffered, and
         // leave together before the reader waits on the socket again.
         let mut corked = false;
+        // Room to read into, by the size of the last frame.
+        let mut min_room = READ_MIN_ROOM;
         let uncork = |corked: &mut bool| {
             if std::mem::take(corked) {
                 self.uncork();
@@ -905,13 +918,18 @@ impl Shared {
                 uncork(&mut corked);
             }
             while buf.len() < HEADER_LEN {
-                if let Err(e) = self.read_more(&mut buf).await {
+                if let Err(e) = self.read_more(&mut buf, min_room).await {
                     return read_error(e);
                 }
             }
             let h = Header::decode(&buf[..HEADER_LEN], self.ours.max_message)
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             let total = HEADER_LEN + h.payload_len as usize;
+            min_room = if total > READ_MIN_ROOM {
+                READ_CHUNK
+            } else {
+                READ_MIN_ROOM
+            };
             if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
                 uncork(&mut corked);
                 buf.advance(HEADER_LEN);
@@ -947,9 +965,9 @@ impl Shared {
             }
             if buf.len() < total {
                 uncork(&mut corked);
-                buf.reserve(total - buf.len());
                 while buf.len() < total {
-                    if let Err(e) = self.read_more(&mut buf).await {
+                    let rest = total - buf.len();
+                    if let Err(e) = self.read_more(&mut buf, rest.max(min_room)).await {
                         return read_error(e);
                     }
                 }

@@ -956,3 +956,34 @@ async fn held_small_messages_share_the_read_buffer() {
         N - 1
     );
 }
+
+/// Messages of tens of KiB arrive several to a socket read: after a large
+/// frame every read has a chunk of room at least (when the buffer grew only
+/// to the rest of the frame in hand, each 32 KiB message took a read or
+/// more). Every byte is checked.
+#[tokio::test]
+async fn medium_messages_arrive_several_to_a_read() {
+    let (c, s) = both(Options::default(), Options::default()).await;
+    let (c, s) = (c.unwrap(), s.unwrap());
+    const N: u64 = 200;
+    let msg = |i: u64| -> Vec<u8> { (0..32u64 << 10).map(|j| (i * 31 + j * 7) as u8).collect() };
+    let reads_before = s.stats().socket_reads;
+    let sender = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            for i in 0..N {
+                c.send(msg(i)).await.unwrap();
+            }
+        })
+    };
+    for i in 0..N {
+        let got = s.recv_message().await.unwrap();
+        assert!(got[..] == msg(i)[..], "message {i} arrived changed");
+    }
+    sender.await.unwrap();
+    let reads = s.stats().socket_reads - reads_before;
+    assert!(
+        reads * 10 <= N * 6,
+        "{reads} socket reads for {N} messages of 32 KiB"
+    );
+}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use parking_lot::Mutex;
 use rdmx_core::stats::Stats;
 use rdmx_core::waiters::Waiters;
@@ -58,12 +58,60 @@ const READ_CHUNK: usize = 64 << 10;
 /// buffer they share. (Growing to a whole chunk of room before every read
 /// cost a fresh 64 KiB buffer per message while the last one's payload was
 /// still held: 1,000 of the 14,500 user-space instructions of an 8 B send
-/// round trip, both ends counted, by callgrind.) After a larger frame, each
-/// read has a chunk of room at least, and the buffer grows by
-/// [`READ_BULK`]: several frames per read, few buffers.
+/// round trip, both ends counted, by callgrind.) See [`ReadRoom`].
 const READ_MIN_ROOM: usize = 4 << 10;
-/// Read buffer growth step after large frames (see [`READ_MIN_ROOM`]).
+/// Read buffer growth step after medium frames (see [`ReadRoom`]).
 const READ_BULK: usize = 4 * READ_CHUNK;
+
+/// How much room a socket read of frames gets, by the size of the last
+/// frame (the next is most likely like it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ReadRoom {
+    /// Grow the buffer first if it has less room than this.
+    min: usize,
+    /// Read at most this much.
+    max: usize,
+}
+
+impl ReadRoom {
+    /// After small frames: the buffer's rest, grown by a chunk when 4 KiB
+    /// or less is left.
+    const SMALL: ReadRoom = ReadRoom {
+        min: READ_MIN_ROOM,
+        max: usize::MAX,
+    };
+
+    /// The room after a frame of `total` bytes. Medium frames (up to
+    /// [`DIRECT_MIN`]) get a chunk of room at least, and the buffer grows by
+    /// [`READ_BULK`]: several frames to a read. After a large frame, whose
+    /// payload went from the socket straight to its place, a read takes at
+    /// most a chunk: what it reads of the next large payload is copied from
+    /// the buffer.
+    fn after(total: usize) -> ReadRoom {
+        if total >= DIRECT_MIN {
+            ReadRoom {
+                min: READ_MIN_ROOM,
+                max: READ_CHUNK,
+            }
+        } else if total > READ_MIN_ROOM {
+            ReadRoom {
+                min: READ_CHUNK,
+                max: usize::MAX,
+            }
+        } else {
+            ReadRoom::SMALL
+        }
+    }
+
+    /// This room for a read of a frame that still owes `rest` bytes.
+    fn for_rest(self, rest: usize) -> ReadRoom {
+        ReadRoom {
+            min: self.min.max(rest),
+            max: self.max.max(rest),
+        }
+    }
+}
+
 /// The largest receive low-water mark set while a large payload arrives: a
 /// 1 MiB message wakes its reader once (measured against 256 KiB and 512
 /// KiB: 1 MiB streaming reads and sends 15-20% faster). The kernel grows the
@@ -671,18 +719,17 @@ impl Shared {
 
     // ---------------------------------------------------------------- reading
 
-    /// Read more into `buf`, waiting as needed, with at least `min_room`
-    /// bytes of room for it (see [`READ_MIN_ROOM`]).
-    async fn read_more(&self, buf: &mut BytesMut, min_room: usize) -> io::Result<()> {
+    /// Read more into `buf`, waiting as needed, with the `room` it gives.
+    async fn read_more(&self, buf: &mut BytesMut, room: ReadRoom) -> io::Result<()> {
         let mut spin_start: Option<Instant> = None;
         loop {
-            if buf.capacity() - buf.len() < min_room {
-                let step = if min_room > READ_MIN_ROOM {
+            if buf.capacity() - buf.len() < room.min {
+                let step = if room.min > READ_MIN_ROOM {
                     READ_BULK
                 } else {
                     READ_CHUNK
                 };
-                buf.reserve(step.max(min_room));
+                buf.reserve(step.max(room.min));
             }
             // A read that leaves room in the buffer emptied the socket's
             // receive queue: readiness is cleared now, instead of by one more
@@ -690,12 +737,12 @@ impl Shared {
             // message that arrives alone). The readiness event is taken
             // before the read, so data arriving after it is not missed
             // (tokio clears only the event it gave out).
-            let room = buf.capacity() - buf.len();
+            let space = (buf.capacity() - buf.len()).min(room.max);
             let mut got = 0;
             let r = self.stream.try_io(Interest::READABLE, || {
                 self.stats.add(|s| &s.socket_reads, 1);
-                got = self.stream.try_read_buf(buf)?;
-                if got > 0 && got < room {
+                got = self.stream.try_read_buf(&mut (&mut *buf).limit(space))?;
+                if got > 0 && got < space {
                     return Err(io::ErrorKind::WouldBlock.into());
                 }
                 Ok(got)
@@ -907,7 +954,7 @@ impl Shared {
         // leave together before the reader waits on the socket again.
         let mut corked = false;
         // Room to read into, by the size of the last frame.
-        let mut min_room = READ_MIN_ROOM;
+        let mut room = ReadRoom::SMALL;
         let uncork = |corked: &mut bool| {
             if std::mem::take(corked) {
                 self.uncork();
@@ -918,18 +965,14 @@ impl Shared {
                 uncork(&mut corked);
             }
             while buf.len() < HEADER_LEN {
-                if let Err(e) = self.read_more(&mut buf, min_room).await {
+                if let Err(e) = self.read_more(&mut buf, room).await {
                     return read_error(e);
                 }
             }
             let h = Header::decode(&buf[..HEADER_LEN], self.ours.max_message)
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             let total = HEADER_LEN + h.payload_len as usize;
-            min_room = if total > READ_MIN_ROOM {
-                READ_CHUNK
-            } else {
-                READ_MIN_ROOM
-            };
+            room = ReadRoom::after(total);
             if h.payload_len as usize >= DIRECT_MIN && buf.len() < total {
                 uncork(&mut corked);
                 buf.advance(HEADER_LEN);
@@ -966,8 +1009,8 @@ impl Shared {
             if buf.len() < total {
                 uncork(&mut corked);
                 while buf.len() < total {
-                    let rest = total - buf.len();
-                    if let Err(e) = self.read_more(&mut buf, rest.max(min_room)).await {
+                    let rest = room.for_rest(total - buf.len());
+                    if let Err(e) = self.read_more(&mut buf, rest).await {
                         return read_error(e);
                     }
                 }
@@ -2089,6 +2132,25 @@ impl RawConnection for TcpConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reads after small frames use the buffer's rest; after medium ones
+    /// they get a chunk of room at least; after a large frame (its payload
+    /// received in place) they take at most a chunk, so that little of the
+    /// next large payload is read into the buffer and copied out (up to 256
+    /// KiB of each 1 MiB write was when they took all the room there was).
+    #[test]
+    fn read_room_follows_the_last_frame() {
+        assert_eq!(ReadRoom::after(HEADER_LEN + 8), ReadRoom::SMALL);
+        assert_eq!(ReadRoom::after(READ_MIN_ROOM), ReadRoom::SMALL);
+        let medium = ReadRoom::after(32 << 10);
+        assert_eq!((medium.min, medium.max), (READ_CHUNK, usize::MAX));
+        let large = ReadRoom::after(1 << 20);
+        assert_eq!((large.min, large.max), (READ_MIN_ROOM, READ_CHUNK));
+        let rest = ReadRoom::SMALL.for_rest(20 << 10);
+        assert_eq!((rest.min, rest.max), (20 << 10, usize::MAX));
+        let rest = large.for_rest(100);
+        assert_eq!((rest.min, rest.max), (READ_MIN_ROOM, READ_CHUNK));
+    }
 
     /// A sender counts in `turns` from before it waits for its turn until it
     /// is done, a cancelled wait included: while one waits, a send with

@@ -69,6 +69,8 @@ const READ_BULK: usize = 4 * READ_CHUNK;
 struct ReadRoom {
     /// Grow the buffer first if it has less room than this.
     min: usize,
+    /// Grow it by this much (or by `min`, if that is more).
+    grow: usize,
     /// Read at most this much.
     max: usize,
 }
@@ -78,6 +80,7 @@ impl ReadRoom {
     /// or less is left.
     const SMALL: ReadRoom = ReadRoom {
         min: READ_MIN_ROOM,
+        grow: READ_CHUNK,
         max: usize::MAX,
     };
 
@@ -91,11 +94,13 @@ impl ReadRoom {
         if total >= DIRECT_MIN {
             ReadRoom {
                 min: READ_MIN_ROOM,
+                grow: READ_CHUNK,
                 max: READ_CHUNK,
             }
         } else if total > READ_MIN_ROOM {
             ReadRoom {
                 min: READ_CHUNK,
+                grow: READ_BULK,
                 max: usize::MAX,
             }
         } else {
@@ -107,6 +112,7 @@ impl ReadRoom {
     fn for_rest(self, rest: usize) -> ReadRoom {
         ReadRoom {
             min: self.min.max(rest),
+            grow: self.grow,
             max: self.max.max(rest),
         }
     }
@@ -724,12 +730,7 @@ impl Shared {
         let mut spin_start: Option<Instant> = None;
         loop {
             if buf.capacity() - buf.len() < room.min {
-                let step = if room.min > READ_MIN_ROOM {
-                    READ_BULK
-                } else {
-                    READ_CHUNK
-                };
-                buf.reserve(step.max(room.min));
+                buf.reserve(room.grow.max(room.min));
             }
             // A read that leaves room in the buffer emptied the socket's
             // receive queue: readiness is cleared now, instead of by one more
@@ -2143,13 +2144,25 @@ mod tests {
         assert_eq!(ReadRoom::after(HEADER_LEN + 8), ReadRoom::SMALL);
         assert_eq!(ReadRoom::after(READ_MIN_ROOM), ReadRoom::SMALL);
         let medium = ReadRoom::after(32 << 10);
-        assert_eq!((medium.min, medium.max), (READ_CHUNK, usize::MAX));
+        assert_eq!(
+            (medium.min, medium.grow, medium.max),
+            (READ_CHUNK, READ_BULK, usize::MAX)
+        );
         let large = ReadRoom::after(1 << 20);
-        assert_eq!((large.min, large.max), (READ_MIN_ROOM, READ_CHUNK));
+        assert_eq!(
+            (large.min, large.grow, large.max),
+            (READ_MIN_ROOM, READ_CHUNK, READ_CHUNK)
+        );
         let rest = ReadRoom::SMALL.for_rest(20 << 10);
-        assert_eq!((rest.min, rest.max), (20 << 10, usize::MAX));
+        assert_eq!(
+            (rest.min, rest.grow, rest.max),
+            (20 << 10, READ_CHUNK, usize::MAX)
+        );
         let rest = large.for_rest(100);
-        assert_eq!((rest.min, rest.max), (READ_MIN_ROOM, READ_CHUNK));
+        assert_eq!(
+            (rest.min, rest.grow, rest.max),
+            (READ_MIN_ROOM, READ_CHUNK, READ_CHUNK)
+        );
     }
 
     /// A sender counts in `turns` from before it waits for its turn until it

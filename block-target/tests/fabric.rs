@@ -489,6 +489,62 @@ async fn a_burst_of_commands_is_answered_in_bundles_over_soft_roce() {
     assert!(bundles >= 1, "{N} responses went as {N} SENDs");
 }
 
+/// The commands of a corked burst go to one I/O queue (where each queue
+/// took them in turn, a burst of two cost a capsule `writev` on each), and
+/// the bursts spread over the queues. Every read is checked.
+async fn a_burst_goes_to_one_queue(scheme: &str) {
+    let (url, _t) = start(scheme).await;
+    let dev = Initiator::connect(&transports(), &url, cfg())
+        .await
+        .unwrap();
+    assert_eq!(dev.queues(), 2);
+    let data = Bytes::from(pattern(7, 64 << 10));
+    dev.write(0, data.clone(), false).await.unwrap();
+    let sent = |dev: &Initiator| -> Vec<u64> {
+        dev.queue_stats().iter().map(|s| s.sends).collect()
+    };
+    for burst in 0..4 {
+        let before = sent(&dev);
+        let mut reads: futures_util::stream::FuturesUnordered<_> = (0..8u64)
+            .map(|i| {
+                let dev = &dev;
+                async move { (i as usize, dev.read(i * 16, 16).await) }
+            })
+            .collect();
+        {
+            let _cork = dev.cork();
+            // Each read posts its capsule when first polled.
+            assert!(futures_util::FutureExt::now_or_never(futures_util::StreamExt::next(
+                &mut reads
+            ))
+            .is_none());
+        }
+        let mut n = 0;
+        while let Some((i, r)) = futures_util::StreamExt::next(&mut reads).await {
+            let got = r.unwrap();
+            assert!(got == data[i * 8192..(i + 1) * 8192], "{scheme}: read {i} differs");
+            n += 1;
+        }
+        assert_eq!(n, 8);
+        let used: Vec<u64> = sent(&dev).iter().zip(&before).map(|(a, b)| a - b).collect();
+        assert!(
+            used.contains(&8) && used.contains(&0),
+            "{scheme}: burst {burst} spread over the queues: {used:?}"
+        );
+    }
+    dev.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_burst_goes_to_one_queue_over_tcp() {
+    a_burst_goes_to_one_queue("tcp").await;
+}
+
+#[tokio::test]
+async fn a_burst_goes_to_one_queue_over_soft_roce() {
+    a_burst_goes_to_one_queue("rdma").await;
+}
+
 /// An idle Initiator keeps its controller: Keep Alive every KATO/2 from the
 /// admin Connect (KATO 1 s here, three of them idle).
 #[tokio::test]

@@ -500,9 +500,8 @@ async fn a_burst_goes_to_one_queue(scheme: &str) {
     assert_eq!(dev.queues(), 2);
     let data = Bytes::from(pattern(7, 64 << 10));
     dev.write(0, data.clone(), false).await.unwrap();
-    let sent = |dev: &Initiator| -> Vec<u64> {
-        dev.queue_stats().iter().map(|s| s.sends).collect()
-    };
+    let sent =
+        |dev: &Initiator| -> Vec<u64> { dev.queue_stats().iter().map(|s| s.sends).collect() };
     for burst in 0..4 {
         let before = sent(&dev);
         let mut reads: futures_util::stream::FuturesUnordered<_> = (0..8u64)
@@ -514,15 +513,18 @@ async fn a_burst_goes_to_one_queue(scheme: &str) {
         {
             let _cork = dev.cork();
             // Each read posts its capsule when first polled.
-            assert!(futures_util::FutureExt::now_or_never(futures_util::StreamExt::next(
-                &mut reads
-            ))
-            .is_none());
+            assert!(
+                futures_util::FutureExt::now_or_never(futures_util::StreamExt::next(&mut reads))
+                    .is_none()
+            );
         }
         let mut n = 0;
         while let Some((i, r)) = futures_util::StreamExt::next(&mut reads).await {
             let got = r.unwrap();
-            assert!(got == data[i * 8192..(i + 1) * 8192], "{scheme}: read {i} differs");
+            assert!(
+                got == data[i * 8192..(i + 1) * 8192],
+                "{scheme}: read {i} differs"
+            );
             n += 1;
         }
         assert_eq!(n, 8);

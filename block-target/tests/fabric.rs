@@ -493,6 +493,8 @@ async fn a_burst_of_commands_is_answered_in_bundles_over_soft_roce() {
 /// took them in turn, a burst of two cost a capsule `writev` on each), and
 /// the bursts spread over the queues. Every read is checked.
 async fn a_burst_goes_to_one_queue(scheme: &str) {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    use futures_util::FutureExt;
     let (url, _t) = start(scheme).await;
     let dev = Initiator::connect(&transports(), &url, cfg())
         .await
@@ -504,7 +506,7 @@ async fn a_burst_goes_to_one_queue(scheme: &str) {
         |dev: &Initiator| -> Vec<u64> { dev.queue_stats().iter().map(|s| s.sends).collect() };
     for burst in 0..4 {
         let before = sent(&dev);
-        let mut reads: futures_util::stream::FuturesUnordered<_> = (0..8u64)
+        let mut reads: FuturesUnordered<_> = (0..8u64)
             .map(|i| {
                 let dev = &dev;
                 async move { (i as usize, dev.read(i * 16, 16).await) }
@@ -513,13 +515,10 @@ async fn a_burst_goes_to_one_queue(scheme: &str) {
         {
             let _cork = dev.cork();
             // Each read posts its capsule when first polled.
-            assert!(
-                futures_util::FutureExt::now_or_never(futures_util::StreamExt::next(&mut reads))
-                    .is_none()
-            );
+            assert!(reads.next().now_or_never().is_none());
         }
         let mut n = 0;
-        while let Some((i, r)) = futures_util::StreamExt::next(&mut reads).await {
+        while let Some((i, r)) = reads.next().await {
             let got = r.unwrap();
             assert!(
                 got == data[i * 8192..(i + 1) * 8192],

@@ -24,11 +24,11 @@
 #                    block serve` on the host: discover, connect, size, fio
 #                    with crc32c verify, mkfs.ext4, a tree of files with known
 #                    checksums, fsck clean, remount, disconnect and reconnect;
-#                    RAM, then a file with header and data digests and two I/O
-#                    queues; the target killed (-9) mid-I/O and restarted:
-#                    the host reconnects and flushed data is intact; and the
-#                    same checks against the kernel's own nvmet-tcp target, to
-#                    show the checks are right
+#                    RAM, then a file opened O_DIRECT with header and data
+#                    digests and two I/O queues; the target killed (-9)
+#                    mid-I/O and restarted: the host reconnects and flushed
+#                    data is intact; and the same checks against the kernel's
+#                    own nvmet-tcp target, to show the checks are right
 #   nbd              the kernel's NBD client (nbd-client) in a guest against
 #                    `rdmx block nbd` on the host, whose namespace is reached
 #                    by NVMe over rdmx on soft RoCE: O_DIRECT data, ext4 with
@@ -630,13 +630,17 @@ t_nvme-tcp() {
   local fails=0 bytes=$((256 << 20))
   nvme_case ram "--ram 256m" "$bytes" "" || fails=$((fails + 1))
   rm -f "$OUT/nvme-ns.img"
-  if nvme_case file-digests-2q "--file $OUT/nvme-ns.img --size 256m" "$bytes" "-g -G -i 2" \
+  # The file namespace bypasses the page cache (O_DIRECT), which the
+  # target's log names.
+  if nvme_case file-digests-2q "--file $OUT/nvme-ns.img --size 256m --direct" "$bytes" "-g -G -i 2" \
     --smp 2; then
-    # both digests were negotiated, and the host made two I/O queues
+    # both digests were negotiated, the host made two I/O queues, and the
+    # file was opened for direct I/O
     grep -q 'mapped 2/0/0' "$OUT/nvme-file-digests-2q.guest" &&
+      grep -q ', O_DIRECT (' "$OUT/nvme-file-digests-2q.target" &&
       grep -Eq 'rdmx_block_digest_connections_total\{kind="header"\} [1-9]' "$OUT/nvme-file-digests-2q.metrics" &&
       grep -Eq 'rdmx_block_digest_connections_total\{kind="data"\} [1-9]' "$OUT/nvme-file-digests-2q.metrics" ||
-      { echo "file-digests-2q: no digests or not two queues"; fails=$((fails + 1)); }
+      { echo "file-digests-2q: no digests, not two queues or not O_DIRECT"; fails=$((fails + 1)); }
   else
     fails=$((fails + 1))
   fi

@@ -5,6 +5,15 @@
 //! completes when the command has FUA, and Flush syncs every completed write
 //! (`fdatasync`), so data acknowledged after either survives a crash of the
 //! target (NVMe Base 2.0 §6.7 Flush, NVM Command Set §3.2.6 FUA).
+//!
+//! A file namespace may bypass the page cache ([`FileOptions::direct`],
+//! `O_DIRECT`), as SPDK's AIO bdev and the kernel's nvmet file backend with
+//! `buffered_io=0` do: no second copy of the data in the host's memory, and
+//! the device sees the writes when the host issues them. Direct I/O needs
+//! the file offset, length and memory address aligned as the filesystem
+//! reports (`statx` `STATX_DIOALIGN`, Linux 6.1); the namespace's block size
+//! must be a multiple of the offset alignment ([`Backend::block_align`]), and
+//! buffers are aligned here (a caller's unaligned bytes are copied once).
 
 use std::fs::File;
 use std::io;
@@ -36,6 +45,12 @@ pub trait Backend: Send + Sync + 'static {
     fn volatile(&self) -> bool;
     /// A short description for logs ("ram 1 GiB", "file /x").
     fn describe(&self) -> String;
+    /// The granularity, in bytes, that every offset and length must keep
+    /// (a namespace's block size must be a multiple of it): 1 unless the
+    /// backend does direct I/O.
+    fn block_align(&self) -> u32 {
+        1
+    }
 }
 
 /// A namespace in memory, lost when the process ends.
@@ -98,6 +113,24 @@ pub struct FileBackend {
     file: File,
     len: u64,
     path: String,
+    /// `O_DIRECT`'s alignment when the file was opened for direct I/O.
+    direct: Option<DirectAlign>,
+}
+
+/// How [`FileBackend::open_with`] opens a file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FileOptions {
+    /// Bypass the page cache (`O_DIRECT`).
+    pub direct: bool,
+}
+
+/// What direct I/O on a file must keep aligned (`statx` `STATX_DIOALIGN`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirectAlign {
+    /// Alignment of the memory read into or written from.
+    pub memory: usize,
+    /// Alignment of file offsets and lengths.
+    pub offset: u32,
 }
 
 impl FileBackend {
@@ -105,12 +138,40 @@ impl FileBackend {
     /// existing file keeps its data and gives its size (unless `size` is
     /// given and larger, then it grows).
     pub fn open(path: &Path, size: Option<u64>) -> io::Result<FileBackend> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
+        FileBackend::open_with(path, size, FileOptions::default())
+    }
+
+    /// [`FileBackend::open`] with options: with `direct`, the file is opened
+    /// with `O_DIRECT`, and a filesystem that cannot do direct I/O is an
+    /// error (rather than a namespace silently served through the cache).
+    pub fn open_with(path: &Path, size: Option<u64>, opts: FileOptions) -> io::Result<FileBackend> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true)
             .write(true)
             .create(size.is_some())
-            .truncate(false)
-            .open(path)?;
+            .truncate(false);
+        if opts.direct {
+            o.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
+        }
+        let file = o.open(path).map_err(|e| {
+            if opts.direct && e.kind() == io::ErrorKind::InvalidInput {
+                io::Error::new(
+                    e.kind(),
+                    format!("{}: this filesystem refuses O_DIRECT ({e})", path.display()),
+                )
+            } else {
+                e
+            }
+        })?;
+        let direct = if opts.direct {
+            Some(
+                direct_align(&file)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?,
+            )
+        } else {
+            None
+        };
         let mut len = file.metadata()?.len();
         if let Some(s) = size {
             if s > len {
@@ -124,12 +185,79 @@ impl FileBackend {
                 format!("{}: empty; give a size to create it", path.display()),
             ));
         }
+        if let Some(a) = direct {
+            if len % u64::from(a.offset) != 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{}: {len} bytes is not a multiple of the {}-byte direct I/O alignment",
+                        path.display(),
+                        a.offset
+                    ),
+                ));
+            }
+        }
         Ok(FileBackend {
             file,
             len,
             path: path.display().to_string(),
+            direct,
         })
     }
+
+    /// The direct I/O alignment, if the file was opened with `O_DIRECT`.
+    pub fn direct(&self) -> Option<DirectAlign> {
+        self.direct
+    }
+
+    /// Whether the kernel has `O_DIRECT` set on the open file (`F_GETFL`).
+    pub fn is_direct(&self) -> io::Result<bool> {
+        let flags = rustix::fs::fcntl_getfl(&self.file)?;
+        Ok(flags.contains(rustix::fs::OFlags::DIRECT))
+    }
+
+    /// Refuse a direct I/O range that is not aligned (the target's block
+    /// size keeps them aligned; this keeps a wrong caller from an `EINVAL`
+    /// deep in the kernel).
+    fn check_aligned(&self, offset: u64, len: u64) -> io::Result<()> {
+        match self.direct {
+            Some(a) if offset % u64::from(a.offset) != 0 || len % u64::from(a.offset) != 0 => {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "direct I/O at {offset}+{len}: not aligned to {} bytes",
+                        a.offset
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The file's direct I/O alignment (`statx` with `STATX_DIOALIGN`).
+fn direct_align(file: &File) -> io::Result<DirectAlign> {
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    let st = statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN)?;
+    let reported = StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::DIOALIGN);
+    if !reported || st.stx_dio_offset_align == 0 || st.stx_dio_mem_align == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "the kernel reports no direct I/O alignment for this file (direct I/O unsupported here)",
+        ));
+    }
+    Ok(DirectAlign {
+        memory: st.stx_dio_mem_align as usize,
+        offset: st.stx_dio_offset_align,
+    })
+}
+
+/// `len` bytes of zeroes starting at an `align`-aligned address: the vector
+/// and the index where they start.
+fn aligned_buffer(len: usize, align: usize) -> (Vec<u8>, usize) {
+    let v = vec![0u8; len + align];
+    let start = v.as_ptr().align_offset(align);
+    (v, start)
 }
 
 impl Backend for FileBackend {
@@ -138,13 +266,32 @@ impl Backend for FileBackend {
     }
 
     fn read(&self, offset: u64, len: usize) -> io::Result<Bytes> {
-        let mut buf = vec![0u8; len];
-        self.file.read_exact_at(&mut buf, offset)?;
-        Ok(Bytes::from(buf))
+        let Some(a) = self.direct else {
+            let mut buf = vec![0u8; len];
+            self.file.read_exact_at(&mut buf, offset)?;
+            return Ok(Bytes::from(buf));
+        };
+        self.check_aligned(offset, len as u64)?;
+        let (mut buf, start) = aligned_buffer(len, a.memory);
+        self.file
+            .read_exact_at(&mut buf[start..start + len], offset)?;
+        Ok(Bytes::from(buf).slice(start..start + len))
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        self.file.write_all_at(data, offset)?;
+        match self.direct {
+            Some(a) if data.as_ptr().align_offset(a.memory) != 0 => {
+                self.check_aligned(offset, data.len() as u64)?;
+                let (mut buf, start) = aligned_buffer(data.len(), a.memory);
+                buf[start..start + data.len()].copy_from_slice(data);
+                self.file
+                    .write_all_at(&buf[start..start + data.len()], offset)?;
+            }
+            _ => {
+                self.check_aligned(offset, data.len() as u64)?;
+                self.file.write_all_at(data, offset)?;
+            }
+        }
         if fua {
             self.file.sync_data()?;
         }
@@ -166,7 +313,10 @@ impl Backend for FileBackend {
         if punched.is_err() {
             // No hole punching here (some filesystems, block devices): write zeroes.
             const CHUNK: u64 = 1 << 20;
-            let zeros = vec![0u8; CHUNK.min(len) as usize];
+            self.check_aligned(offset, len)?;
+            let align = self.direct.map_or(1, |a| a.memory);
+            let (zeros, start) = aligned_buffer(CHUNK.min(len) as usize, align);
+            let zeros = &zeros[start..];
             let mut at = 0;
             while at < len {
                 let n = CHUNK.min(len - at) as usize;
@@ -185,7 +335,17 @@ impl Backend for FileBackend {
     }
 
     fn describe(&self) -> String {
-        format!("file {}, {} bytes", self.path, self.len)
+        match self.direct {
+            Some(a) => format!(
+                "file {}, {} bytes, O_DIRECT ({}-byte offsets, {}-byte memory)",
+                self.path, self.len, a.offset, a.memory
+            ),
+            None => format!("file {}, {} bytes", self.path, self.len),
+        }
+    }
+
+    fn block_align(&self) -> u32 {
+        self.direct.map_or(1, |a| a.offset)
     }
 }
 

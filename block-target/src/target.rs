@@ -244,6 +244,15 @@ impl Target {
         if !matches!(shift, 9 | 12) {
             return Err(format!("block size 2^{shift}: use 512 or 4096"));
         }
+        let align = backend.block_align();
+        if (1u32 << shift) % align != 0 {
+            return Err(format!(
+                "{}: its I/O must keep {align}-byte alignment, which {}-byte blocks do not \
+                 (use a {align}-byte block size, or no direct I/O)",
+                backend.describe(),
+                1u32 << shift
+            ));
+        }
         let blocks = backend.len() >> shift;
         if blocks == 0 {
             return Err(format!(

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use rdmx_block::backend::{Backend, FileBackend, RamBackend};
+use rdmx_block::backend::{Backend, FileBackend, FileOptions, RamBackend};
 use rdmx_block::target::{Target, TargetConfig};
 use rdmx_core::Error;
 
@@ -29,7 +29,9 @@ enum BlockCmd {
     #[command(
         after_help = "Each --ram and --file adds a namespace (NSID 1, 2, ... in the \
         order given). Flush and FUA on a file namespace call fdatasync: data acknowledged \
-        after either survives a crash of the target.\n\nExample:\n  \
+        after either survives a crash of the target. --direct opens them with O_DIRECT \
+        (no copy in the page cache; Flush and FUA still call fdatasync for the device's \
+        own cache).\n\nExample:\n  \
         rdmx block serve --file /var/lib/rdmx/ns1.img --size 10g --nvme-tcp 0.0.0.0:4420 \
         --discovery 0.0.0.0:8009 --metrics 127.0.0.1:9500"
     )]
@@ -43,6 +45,10 @@ enum BlockCmd {
         /// Create or grow --file namespaces to this size (k/m/g).
         #[arg(long)]
         size: Option<String>,
+        /// Open --file namespaces with O_DIRECT (no page cache); the file's
+        /// direct I/O alignment must divide --block-size.
+        #[arg(long)]
+        direct: bool,
         /// NVMe/TCP I/O controller address.
         #[arg(long, default_value = "0.0.0.0:4420")]
         nvme_tcp: String,
@@ -216,6 +222,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             ram,
             file,
             size,
+            direct,
             nvme_tcp,
             discovery,
             rdmx,
@@ -250,7 +257,8 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
                 backends.push(Arc::new(RamBackend::new(parse_size(r)?).map_err(io)?));
             }
             for f in &file {
-                backends.push(Arc::new(FileBackend::open(f, size).map_err(io)?));
+                let opts = FileOptions { direct };
+                backends.push(Arc::new(FileBackend::open_with(f, size, opts).map_err(io)?));
             }
             for b in backends {
                 let what = b.describe();

@@ -157,11 +157,34 @@ fn nbd_clients_over_nvme_over_rdmx_on_soft_roce() {
     ignore = "needs qemu-img, qemu-io, nbdinfo, nbdcopy and fio with its nbd engine (apt-get install qemu-utils libnbd-bin fio); CI runs it"
 )]
 fn flushed_data_survives_kill_9_of_the_target() {
-    let dir = std::env::temp_dir().join(format!("rdmx-kill9-{}", std::process::id()));
+    flushed_data_survives_kill_9(false);
+}
+
+/// The same with the namespace file opened `O_DIRECT` (`--direct`), in
+/// cargo's temporary directory on the build's disk (`/tmp` may be a tmpfs).
+#[test]
+#[cfg_attr(
+    rdmx_missing_nbdtools,
+    ignore = "needs qemu-img, qemu-io, nbdinfo, nbdcopy and fio with its nbd engine (apt-get install qemu-utils libnbd-bin fio); CI runs it"
+)]
+fn flushed_data_survives_kill_9_of_a_direct_io_target() {
+    flushed_data_survives_kill_9(true);
+}
+
+fn flushed_data_survives_kill_9(direct: bool) {
+    let base = if direct {
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = base.join(format!("rdmx-kill9-{}-{direct}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("ns.img");
     let img_s = img.to_str().unwrap().to_string();
-    let ns = ["--file", img_s.as_str(), "--size", "32m"];
+    let mut ns = vec!["--file", img_s.as_str(), "--size", "32m"];
+    if direct {
+        ns.push("--direct");
+    }
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ts = || {
         rdmx_core::Transports::new()
@@ -183,6 +206,10 @@ fn flushed_data_survives_kill_9_of_the_target() {
     };
     {
         let target = serve(&ns);
+        if direct {
+            // The namespace line names the flag and the file's alignment.
+            target.wait_for(", O_DIRECT (");
+        }
         rt.block_on(async {
             let cfg = InitiatorConfig {
                 nqn: "nqn.2026-11.io.rdmx:block".into(),
@@ -212,7 +239,10 @@ fn flushed_data_survives_kill_9_of_the_target() {
         // kill -9 (Spawned's drop sends SIGKILL).
         drop(target);
     }
-    let _target = serve(&ns);
+    let target = serve(&ns);
+    if direct {
+        target.wait_for(", O_DIRECT (");
+    }
     rt.block_on(async {
         let cfg = InitiatorConfig {
             nqn: "nqn.2026-11.io.rdmx:block".into(),

@@ -244,7 +244,7 @@ impl Target {
         if !matches!(shift, 9 | 12) {
             return Err(format!("block size 2^{shift}: use 512 or 4096"));
         }
-        let align = backend.block_align();
+        let align = backend.block_align().max(1);
         if (1u32 << shift) % align != 0 {
             return Err(format!(
                 "{}: its I/O must keep {align}-byte alignment, which {}-byte blocks do not \

@@ -236,6 +236,11 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
                     "give at least one namespace: --ram SIZE or --file PATH".into(),
                 ));
             }
+            if direct && file.is_empty() {
+                return Err(Error::InvalidArgument(
+                    "--direct applies to --file namespaces; give at least one".into(),
+                ));
+            }
             let lba_shift = match block_size {
                 512 => 9,
                 4096 => 12,

@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::{explain, free_port, Spawned};
+use common::{explain, free_port, rdmx, Spawned};
 use rdmx_block::fabric::{Initiator, InitiatorConfig};
 
 fn run(cmd: &mut Command) -> String {
@@ -260,5 +260,54 @@ fn flushed_data_survives_kill_9(direct: bool) {
         let got = dev.read(16384, 2048).await.unwrap();
         assert!(got == c[..1 << 20], "nbdcopy --flush data lost");
     });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--direct` names what it cannot apply to, and a file the filesystem
+/// cannot serve by direct I/O (a size that is not a multiple of its
+/// alignment) is refused with the reason, before anything listens.
+#[test]
+fn direct_io_misuse_is_refused_clearly() {
+    let out = rdmx()
+        .args([
+            "block",
+            "serve",
+            "--ram",
+            "1m",
+            "--direct",
+            "--nvme-tcp",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--direct applies to --file namespaces"),
+        "{}",
+        explain(&out)
+    );
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("rdmx-direct-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let odd = dir.join("odd.img");
+    std::fs::write(&odd, vec![0u8; 4097]).unwrap();
+    let out = rdmx()
+        .args([
+            "block",
+            "serve",
+            "--direct",
+            "--nvme-tcp",
+            "127.0.0.1:0",
+            "--file",
+        ])
+        .arg(&odd)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("direct I/O alignment"),
+        "{}",
+        explain(&out)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

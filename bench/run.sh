@@ -168,8 +168,10 @@ ucx ucx_put_bw_1m -t ucp_put_bw -s 1048576 -n $((FI / 5)) -w 100
 ucx ucx_get_bw_1m -t ucp_get -s 1048576 -n $((FI / 5)) -w 100 -O 16
 # Tagged messages (UCX's send/receive), the issue-14 bandwidth baseline.
 # 1 MiB streaming against UCX tag_bw in UCX's own shape (a server process and
-# a client process, one thread each, 16 in flight), three rounds back to back
-# (one when quick): this VM's noise is larger than the differences.
+# a client process, one thread each, 16 in flight, every operation on the
+# same 1 MiB buffer of each side, as ucx_perftest allocates one send and one
+# receive buffer), three rounds back to back (one when quick): this VM's
+# noise is larger than the differences.
 for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
   ucx ucx_tag_bw_1m_r$r -t tag_bw -s 1048576 -n $((FI / 5)) -w 100
   port=$((20000 + RANDOM % 20000))
@@ -177,10 +179,14 @@ for r in $(if [ -n "${QUICK:-}" ]; then echo 1; else echo 1 2 3; fi); do
   srv=$!
   listening $port
   run rdmx_stream_r$r $RDMX --threads 1 perf client tcp://127.0.0.1:$port --json --mode bw \
-    --duration-ms $DUR --op write,read,send --sizes 1m --window 16
+    --duration-ms $DUR --op write,read,send --sizes 1m --window 16 --slots 1
   # Reads into a registered region of the client (read_into), as ib_read_bw's.
   run rdmx_stream_into_r$r $RDMX --threads 1 perf client tcp://127.0.0.1:$port --json --mode bw \
-    --duration-ms $DUR --op read --sizes 1m --window 16 --into-region
+    --duration-ms $DUR --op read --sizes 1m --window 16 --slots 1 --into-region
+  # A buffer per operation in flight (16 MiB on the server): what a larger
+  # working set costs the caches.
+  run rdmx_stream_slots16_r$r $RDMX --threads 1 perf client tcp://127.0.0.1:$port --json \
+    --mode bw --duration-ms $DUR --op write,read --sizes 1m --window 16 --slots 16
   kill $srv 2>/dev/null || true
   wait $srv 2>/dev/null || true
 done

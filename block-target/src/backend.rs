@@ -173,11 +173,9 @@ impl FileBackend {
             None
         };
         let mut len = file.metadata()?.len();
-        if let Some(s) = size {
-            if s > len {
-                file.set_len(s)?;
-                len = s;
-            }
+        let grow_to = size.filter(|&s| s > len);
+        if let Some(s) = grow_to {
+            len = s;
         }
         if len == 0 {
             return Err(io::Error::new(
@@ -185,6 +183,7 @@ impl FileBackend {
                 format!("{}: empty; give a size to create it", path.display()),
             ));
         }
+        // Checked before the file grows: a refused size leaves it as it was.
         if let Some(a) = direct {
             if len % u64::from(a.offset) != 0 {
                 return Err(io::Error::new(
@@ -196,6 +195,9 @@ impl FileBackend {
                     ),
                 ));
             }
+        }
+        if let Some(s) = grow_to {
+            file.set_len(s)?;
         }
         Ok(FileBackend {
             file,
@@ -279,18 +281,15 @@ impl Backend for FileBackend {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.check_aligned(offset, data.len() as u64)?;
         match self.direct {
             Some(a) if data.as_ptr().align_offset(a.memory) != 0 => {
-                self.check_aligned(offset, data.len() as u64)?;
                 let (mut buf, start) = aligned_buffer(data.len(), a.memory);
                 buf[start..start + data.len()].copy_from_slice(data);
                 self.file
                     .write_all_at(&buf[start..start + data.len()], offset)?;
             }
-            _ => {
-                self.check_aligned(offset, data.len() as u64)?;
-                self.file.write_all_at(data, offset)?;
-            }
+            _ => self.file.write_all_at(data, offset)?,
         }
         if fua {
             self.file.sync_data()?;

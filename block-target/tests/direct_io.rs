@@ -91,6 +91,17 @@ fn direct_file_of_unaligned_size_is_refused() {
         .err()
         .expect("a 4097-byte file cannot be served by direct I/O");
     assert!(e.to_string().contains("alignment"), "{e}");
+    // A size that would grow the file to an unaligned length is refused
+    // before the file grows.
+    let e = FileBackend::open_with(&path, Some(8192 + 7), FileOptions { direct: true })
+        .err()
+        .expect("an 8199-byte size cannot be served by direct I/O");
+    assert!(e.to_string().contains("alignment"), "{e}");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        4096 + 1,
+        "the file grew"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

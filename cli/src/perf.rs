@@ -76,6 +76,12 @@ pub(crate) struct PerfArgs {
     /// Operations kept in flight for bandwidth runs.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     window: u32,
+    /// Buffer slots that the operations in flight cycle through, on each
+    /// side (default: --window, one per operation in flight). 1 puts every
+    /// operation on the same buffer, as ucx_perftest's and perftest's
+    /// bandwidth tests do: a smaller working set for the caches to hold.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    slots: Option<u32>,
     /// Print one JSON object per result instead of a table.
     #[arg(long)]
     json: bool,
@@ -187,6 +193,8 @@ struct Plan {
     lat: bool,
     bw: bool,
     baseline: bool,
+    /// Buffer slots of the largest size in the borrowed (and local) region.
+    slots: u32,
     region_len: u64,
 }
 
@@ -207,14 +215,18 @@ fn plan(a: &PerfArgs) -> Result<Plan, Error> {
         return Err(Error::InvalidArgument("--sizes names no size".into()));
     }
     let max = sizes.iter().copied().max().unwrap_or(8).max(8);
+    let (slots, slots_from) = match a.slots {
+        Some(n) => (n, "--slots"),
+        None => (a.window, "--window"),
+    };
     let region_len = max
-        .checked_mul(u64::from(a.window))
+        .checked_mul(u64::from(slots))
         .filter(|&n| n <= MAX_REGION)
         .ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "the largest size ({max} bytes) times --window ({}) needs a larger region than \
-                 the {MAX_REGION}-byte (1 GiB) limit a perf server lends one client; lower one",
-                a.window
+                "the largest size ({max} bytes) times {slots_from} ({slots}) needs a larger \
+                 region than the {MAX_REGION}-byte (1 GiB) limit a perf server lends one client; \
+                 lower one"
             ))
         })?;
     check_transport(&a.transport)?;
@@ -225,6 +237,7 @@ fn plan(a: &PerfArgs) -> Result<Plan, Error> {
         lat: a.mode != "bw",
         bw: a.mode != "lat",
         baseline: a.baseline.is_some(),
+        slots,
         region_len,
     })
 }
@@ -248,6 +261,8 @@ pub(crate) struct PerfResult {
     pub(crate) provider: String,
     /// Lanes the connection carried its operations over.
     pub(crate) lanes: u16,
+    /// Buffer slots a bandwidth run's operations cycled through (`--slots`).
+    pub(crate) slots: u32,
     pub(crate) op: String,
     pub(crate) size: u64,
     pub(crate) iters: u64,
@@ -742,6 +757,7 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 transport: conn.transport().to_string(),
                 provider: conn.info().provider.clone(),
                 lanes: conn.info().lanes,
+                slots: p.slots,
                 op: op.name().to_string(),
                 size,
                 iters: 0,
@@ -832,8 +848,17 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 let window = a.window as usize;
                 let before = conn.stats();
                 let c0 = cpu_now();
-                let (ops, elapsed) =
-                    bandwidth(&conn, op, theirs, local.as_ref(), size, window, dur).await?;
+                let (ops, elapsed) = bandwidth(
+                    &conn,
+                    op,
+                    theirs,
+                    local.as_ref(),
+                    size,
+                    window,
+                    p.slots,
+                    dur,
+                )
+                .await?;
                 r.cpu_us_per_op = per_op_us(cpu_now().saturating_sub(c0), ops);
                 r.rdma = RdmaCounters::between(&conn, &before, &conn.stats());
                 let secs = elapsed.as_secs_f64();
@@ -922,7 +947,10 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
     }
 }
 
-/// Keep `window` operations in flight for `dur`; returns (completed, elapsed).
+/// Keep `window` operations in flight for `dur`, their buffers taken in
+/// turn from `slots` slots of `size` (remote, and local for reads into a
+/// region); returns (completed, elapsed).
+#[allow(clippy::too_many_arguments)]
 async fn bandwidth(
     c: &Connection,
     op: PerfOp,
@@ -930,6 +958,7 @@ async fn bandwidth(
     local: Option<&MemoryRegion>,
     size: u64,
     window: usize,
+    slots: u32,
     dur: Duration,
 ) -> Result<(u64, Duration), Error> {
     let start = Instant::now();
@@ -970,9 +999,10 @@ async fn bandwidth(
     let mut inflight = FuturesUnordered::new();
     let mut slot = 0u64;
     let mut issue = |inflight: &mut FuturesUnordered<_>| -> Result<(), Error> {
-        // Each in-flight op gets its own slot of the region (and of the
-        // local one that reads land in, if any).
-        let at = (slot % window as u64) * size.max(8);
+        // Each in-flight op takes the next slot of the region (and of the
+        // local one that reads land in, if any): its own while there are
+        // as many slots as operations in flight.
+        let at = slot_offset(slot, slots, size);
         let region = theirs.slice(at, size)?;
         let into = match local {
             Some(m) => Some(m.slice(at as usize, size as usize)?),
@@ -1008,9 +1038,27 @@ async fn bandwidth(
     Ok((done, start.elapsed()))
 }
 
+/// Where the `n`th operation of a bandwidth run starts in a region of
+/// `slots` slots of `size` bytes (at least 8, as the region is sized).
+fn slot_offset(n: u64, slots: u32, size: u64) -> u64 {
+    (n % u64::from(slots.max(1))) * size.max(8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn operations_cycle_through_the_slots() {
+        let at: Vec<u64> = (0..5).map(|n| slot_offset(n, 3, 4096)).collect();
+        assert_eq!(at, [0, 4096, 8192, 0, 4096]);
+        assert!((0..100).all(|n| slot_offset(n, 1, 1 << 20) == 0));
+        assert_eq!(
+            slot_offset(3, 16, 0),
+            24,
+            "a 0-byte slot still takes 8 bytes"
+        );
+    }
 
     #[test]
     fn sizes_parse() {

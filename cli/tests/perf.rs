@@ -497,12 +497,17 @@ fn pcap_check_refuses_empty_and_truncated_captures() {
 /// and what is allowed.
 #[test]
 fn perf_refuses_bad_options_before_connecting() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--op", "writ"], "unknown --op \"writ\""),
         (&["--mode", "latency"], "invalid value 'latency'"),
         (&["--window", "0"], "--window"),
         (&["--sizes", "99999999999g"], "bad size \"99999999999g\""),
         (&["--sizes", "512m", "--window", "16"], "1 GiB"),
+        (&["--slots", "0"], "--slots"),
+        (
+            &["--sizes", "512m", "--window", "1", "--slots", "4"],
+            "times --slots (4)",
+        ),
         (
             &["--transport", "tcp", "--capture", "x.pcap"],
             "a tcp run has none",
@@ -630,4 +635,44 @@ fn reads_into_a_registered_region() {
             assert!(r["ops_per_s"].as_f64().unwrap() > 0.0, "{r}");
         }
     }
+}
+
+/// `--slots 1`: every operation of a bandwidth run on one buffer of each
+/// side (ucx_perftest's shape), on both transports, reads into a region
+/// too; the rows say how many slots they used.
+#[test]
+fn operations_in_flight_can_share_one_slot() {
+    for transport in ["tcp", "rdma"] {
+        let out = rdmx()
+            .args(["perf", "--loopback", "--json", "--mode", "bw"])
+            .args(["--transport", transport, "--op", "write,read"])
+            .args(["--sizes", "64k", "--window", "8", "--slots", "1"])
+            .args(["--duration-ms", "60", "--into-region"])
+            .output()
+            .unwrap();
+        let rows = json_rows(&out);
+        assert_eq!(rows.len(), 2, "{transport}: {}", explain(&out));
+        for r in &rows {
+            assert_eq!(r["slots"], 1, "{r}");
+            assert!(r["ops_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    let out = rdmx()
+        .args([
+            "perf",
+            "--loopback",
+            "--json",
+            "--mode",
+            "bw",
+            "--op",
+            "write",
+        ])
+        .args(["--sizes", "4k", "--window", "4", "--duration-ms", "30"])
+        .output()
+        .unwrap();
+    let rows = json_rows(&out);
+    assert_eq!(
+        rows[0]["slots"], 4,
+        "a slot per operation in flight by default"
+    );
 }

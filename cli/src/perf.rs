@@ -848,17 +848,13 @@ async fn measure(a: &PerfArgs, p: &Plan, url: &str, raw_addr: &str) -> Result<()
                 let window = a.window as usize;
                 let before = conn.stats();
                 let c0 = cpu_now();
-                let (ops, elapsed) = bandwidth(
-                    &conn,
-                    op,
-                    theirs,
-                    local.as_ref(),
+                let shape = BwShape {
                     size,
                     window,
-                    p.slots,
+                    slots: p.slots,
                     dur,
-                )
-                .await?;
+                };
+                let (ops, elapsed) = bandwidth(&conn, op, theirs, local.as_ref(), shape).await?;
                 r.cpu_us_per_op = per_op_us(cpu_now().saturating_sub(c0), ops);
                 r.rdma = RdmaCounters::between(&conn, &before, &conn.stats());
                 let secs = elapsed.as_secs_f64();
@@ -947,20 +943,32 @@ fn print_result(a: &PerfArgs, r: &PerfResult) {
     }
 }
 
-/// Keep `window` operations in flight for `dur`, their buffers taken in
-/// turn from `slots` slots of `size` (remote, and local for reads into a
-/// region); returns (completed, elapsed).
-#[allow(clippy::too_many_arguments)]
+/// The shape of a bandwidth run: operations of `size` bytes, `window` of
+/// them in flight, their buffers taken in turn from `slots` slots of the
+/// region (remote, and local for reads into a region), for `dur`.
+#[derive(Clone, Copy, Debug)]
+struct BwShape {
+    size: u64,
+    window: usize,
+    slots: u32,
+    dur: Duration,
+}
+
+/// Keep `shape.window` operations in flight for `shape.dur`; returns
+/// (completed, elapsed).
 async fn bandwidth(
     c: &Connection,
     op: PerfOp,
     theirs: RemoteRegion,
     local: Option<&MemoryRegion>,
-    size: u64,
-    window: usize,
-    slots: u32,
-    dur: Duration,
+    shape: BwShape,
 ) -> Result<(u64, Duration), Error> {
+    let BwShape {
+        size,
+        window,
+        slots,
+        dur,
+    } = shape;
     let start = Instant::now();
     let mut done = 0u64;
     if op == PerfOp::Send {

@@ -287,7 +287,9 @@ impl Oob {
         let v: f64 = text
             .trim()
             .parse()
-            .map_err(|_| Error::Protocol(format!("perftest version {text:?} is not a number")))?;
+            .ok()
+            .filter(|v: &f64| v.is_finite())
+            .ok_or_else(|| Error::Protocol(format!("perftest version {text:?} is not a number")))?;
         if v < MIN_VERSION {
             return Err(Error::Protocol(format!(
                 "perftest version {v} is older than {MIN_VERSION}, whose exchange rdmx speaks"
@@ -963,5 +965,28 @@ mod tests {
         let (v, sys, mtu, rep) = server.await.unwrap();
         assert_eq!((v, sys, mtu), (6.06, (4096, 64), 1024));
         assert_eq!(rep, mine);
+    }
+
+    /// A version that is not a finite number ("nan" parses as an f64) is
+    /// refused with the text the peer sent.
+    #[tokio::test]
+    async fn a_version_that_is_not_a_number_is_refused() {
+        for bad in ["nan", "inf", "six"] {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let peer = tokio::spawn(async move {
+                let mut s = l.accept().await.unwrap().0;
+                s.write_all(&padded::<VERSION_LEN>(bad)).await.unwrap();
+                let mut theirs = [0u8; VERSION_LEN];
+                s.read_exact(&mut theirs).await.unwrap();
+            });
+            let mut o = Oob {
+                stream: TcpStream::connect(addr).await.unwrap(),
+                client: true,
+            };
+            let e = o.versions().await.unwrap_err().to_string();
+            assert!(e.contains(&format!("{bad:?} is not a number")), "{e}");
+            peer.await.unwrap();
+        }
     }
 }

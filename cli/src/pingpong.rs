@@ -83,13 +83,16 @@ impl Dest {
         let lid = f.hex(16)? as u16;
         let qpn = f.hex(24)? as u32;
         let psn = f.hex(24)? as u32;
-        let hex = f.text()?;
-        if hex.len() != 32 {
+        // 32 hex digits and nothing else (rc_pingpong's `gid_to_wire_gid`):
+        // checked as bytes first, so that no slice below splits a character.
+        let hex = f.text()?.as_bytes();
+        if hex.len() != 32 || !hex.iter().all(u8::is_ascii_hexdigit) {
             return Err(f.error());
         }
+        let digit = |c: u8| (c as char).to_digit(16).expect("checked above") as u8;
         let mut gid = [0u8; 16];
-        for (i, b) in gid.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| f.error())?;
+        for (b, pair) in gid.iter_mut().zip(hex.chunks_exact(2)) {
+            *b = digit(pair[0]) << 4 | digit(pair[1]);
         }
         Ok(Dest { lid, qpn, psn, gid })
     }
@@ -304,5 +307,17 @@ mod tests {
         assert!(Dest::decode(b"0000:1000000:000001:00").is_err());
         assert!(Dest::decode(b"garbage").is_err());
         assert!(Dest::decode(&[0xff; 52]).is_err());
+    }
+
+    /// A GID field of 32 bytes that are not 32 hex digits (here a two-byte
+    /// character straddling a digit pair) is an error, not a panic.
+    #[test]
+    fn a_gid_of_other_characters_is_an_error() {
+        let gid = format!("a\u{e9}{}", "0".repeat(29));
+        assert_eq!(gid.len(), 32);
+        let m = padded::<MSG_LEN>(&format!("0000:000011:abcdef:{gid}"));
+        assert!(Dest::decode(&m).is_err());
+        let m = padded::<MSG_LEN>(&format!("0000:000011:abcdef:+f{}", "0".repeat(30)));
+        assert!(Dest::decode(&m).is_err());
     }
 }

@@ -11,6 +11,9 @@
 //!       (`send_many`) as bundles, several to a SEND, for a peer that takes them.
 //! ```
 //!
+//! The bytes of PARAMS and of each control message are in `control.rs`;
+//! this file runs the exchange and the connection.
+//!
 //! A remote access violation puts both QPs in ERROR (IBTA 9.9.3, class C
 //! errors), as on any NIC. The connection then replaces its QP: the peers
 //! exchange new QPNs/PSNs and how far each responder executed, so flushed
@@ -22,7 +25,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use rdmx_core::stats::new_stats;
 use rdmx_core::waiters::Waiters;
@@ -44,293 +47,10 @@ use crate::verbs::{
     QpOptions, QpPeer, QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
-/// Version of the RDMA bootstrap (PARAMS and control messages).
-pub const RDMA_VERSION: u16 = 2;
-const PARAMS_MAGIC: &[u8; 4] = b"RDMA";
-const PARAMS_LEN: usize = 40;
-const FLAG_SR: u16 = 1;
-/// The sender of these PARAMS takes bundles of messages (bundle.rs).
-const FLAG_BUNDLES: u16 = 2;
+use crate::control::{Ctl, Params, PARAMS_LEN, RDMA_VERSION};
 const RECV_BIT: u64 = 1 << 63;
 /// Largest single READ/WRITE (the RETH DMA length is 32 bits; 2^31 as rxe).
 pub const MAX_RDMA_SIZE: u64 = 1 << 31;
-
-/// What each side tells the other about its QP (the PARAMS message).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Params {
-    pub(crate) version: u16,
-    pub(crate) selective_repeat: bool,
-    /// Takes several messages in one SEND (bundle.rs).
-    pub(crate) bundles: bool,
-    pub(crate) qpn: u32,
-    pub(crate) psn: u32,
-    pub(crate) udp_port: u16,
-    pub(crate) mtu: u32,
-    pub(crate) gid: IpAddr,
-    pub(crate) timers: QpTimers,
-    /// READ/atomic requests this end keeps outstanding and serves
-    /// outstanding (1..=255; the path takes the smaller of the two).
-    pub(crate) max_rd_atomic: u8,
-}
-
-/// The READ/atomic depth of a version-2 peer built before PARAMS carried
-/// one (its last byte was zero then, and both ends used this).
-const LEGACY_MAX_RD_ATOMIC: u8 = 16;
-
-impl Params {
-    fn encode(&self) -> [u8; PARAMS_LEN] {
-        let mut b = Vec::with_capacity(PARAMS_LEN);
-        b.put_slice(PARAMS_MAGIC);
-        b.put_u16_le(self.version);
-        let flags = if self.selective_repeat { FLAG_SR } else { 0 }
-            | if self.bundles { FLAG_BUNDLES } else { 0 };
-        b.put_u16_le(flags);
-        b.put_u32_le(self.qpn);
-        b.put_u32_le(self.psn);
-        b.put_u16_le(self.udp_port);
-        b.put_u16_le(self.mtu as u16);
-        let gid = match self.gid {
-            IpAddr::V4(a) => a.to_ipv6_mapped(),
-            IpAddr::V6(a) => a,
-        };
-        b.put_slice(&gid.octets());
-        b.put_u8(self.timers.timeout);
-        b.put_u8(self.timers.retry_cnt);
-        b.put_u8(self.timers.rnr_retry);
-        b.put_u8(self.max_rd_atomic);
-        b.try_into().expect("40 bytes")
-    }
-
-    /// Check magic and version (the first 6 bytes).
-    fn check_header(b: &[u8]) -> Result<u16> {
-        if &b[..4] != PARAMS_MAGIC {
-            return Err(Error::Protocol(
-                "the peer did not answer with RDMA bootstrap parameters (it is not an rdmx rdma:// endpoint)".into(),
-            ));
-        }
-        let version = u16::from_le_bytes([b[4], b[5]]);
-        if version != RDMA_VERSION {
-            return Err(Error::VersionMismatch {
-                local: RDMA_VERSION,
-                peer: version,
-            });
-        }
-        Ok(version)
-    }
-
-    fn decode(b: &[u8; PARAMS_LEN]) -> Result<Params> {
-        let version = Self::check_header(&b[..6])?;
-        let mut r = &b[6..];
-        let flags = r.get_u16_le();
-        let qpn = r.get_u32_le() & 0xFF_FFFF;
-        let psn = r.get_u32_le() & 0xFF_FFFF;
-        let udp_port = r.get_u16_le();
-        let mtu = u32::from(r.get_u16_le());
-        let mut g = [0u8; 16];
-        r.copy_to_slice(&mut g);
-        if !matches!(mtu, 256 | 512 | 1024 | 2048 | 4096) {
-            return Err(Error::Protocol(format!("peer offered path MTU {mtu}")));
-        }
-        let timers = QpTimers {
-            timeout: r.get_u8(),
-            retry_cnt: r.get_u8(),
-            rnr_retry: r.get_u8(),
-        };
-        if timers.timeout > 31 || timers.retry_cnt > 7 || timers.rnr_retry > 7 {
-            return Err(Error::Protocol(format!(
-                "peer offered QP timers {timers:?}"
-            )));
-        }
-        let max_rd_atomic = match r.get_u8() {
-            0 => LEGACY_MAX_RD_ATOMIC,
-            n => n,
-        };
-        Ok(Params {
-            version,
-            selective_repeat: flags & FLAG_SR != 0,
-            bundles: flags & FLAG_BUNDLES != 0,
-            qpn,
-            psn,
-            udp_port,
-            mtu,
-            gid: IpAddr::V6(g.into()).to_canonical(),
-            timers,
-            max_rd_atomic,
-        })
-    }
-}
-
-/// Control-channel messages (after the bootstrap).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Ctl {
-    Close,
-    Credit {
-        msgs: u32,
-        bytes: u64,
-    },
-    Classify {
-        id: u64,
-        rkey: u32,
-        addr: u64,
-        len: u64,
-        need: u8,
-    },
-    Classified {
-        id: u64,
-        code: u8,
-    },
-    Reset {
-        gen: u32,
-        qpn: u32,
-        psn: u32,
-        epsn: u32,
-    },
-    ResetAck {
-        gen: u32,
-        qpn: u32,
-        psn: u32,
-        epsn: u32,
-    },
-    NeedReset {
-        gen: u32,
-    },
-}
-
-impl Ctl {
-    fn encode(&self, out: &mut Vec<u8>) {
-        let start = out.len();
-        out.put_u8(0);
-        out.put_u8(0);
-        match *self {
-            Ctl::Close => out[start] = 1,
-            Ctl::Credit { msgs, bytes } => {
-                out[start] = 2;
-                out.put_u32_le(msgs);
-                out.put_u64_le(bytes);
-            }
-            Ctl::Classify {
-                id,
-                rkey,
-                addr,
-                len,
-                need,
-            } => {
-                out[start] = 3;
-                out.put_u64_le(id);
-                out.put_u32_le(rkey);
-                out.put_u64_le(addr);
-                out.put_u64_le(len);
-                out.put_u8(need);
-            }
-            Ctl::Classified { id, code } => {
-                out[start] = 4;
-                out.put_u64_le(id);
-                out.put_u8(code);
-            }
-            Ctl::Reset {
-                gen,
-                qpn,
-                psn,
-                epsn,
-            }
-            | Ctl::ResetAck {
-                gen,
-                qpn,
-                psn,
-                epsn,
-            } => {
-                out[start] = if matches!(self, Ctl::Reset { .. }) {
-                    5
-                } else {
-                    6
-                };
-                out.put_u32_le(gen);
-                out.put_u32_le(qpn);
-                out.put_u32_le(psn);
-                out.put_u32_le(epsn);
-            }
-            Ctl::NeedReset { gen } => {
-                out[start] = 7;
-                out.put_u32_le(gen);
-            }
-        }
-        out[start + 1] = (out.len() - start - 2) as u8;
-    }
-
-    fn decode(kind: u8, mut b: &[u8]) -> Result<Ctl> {
-        let need = |n: usize, b: &[u8]| {
-            if b.len() == n {
-                Ok(())
-            } else {
-                Err(Error::Protocol(format!(
-                    "control message {kind} has {} bytes, expected {n}",
-                    b.len()
-                )))
-            }
-        };
-        Ok(match kind {
-            1 => {
-                need(0, b)?;
-                Ctl::Close
-            }
-            2 => {
-                need(12, b)?;
-                Ctl::Credit {
-                    msgs: b.get_u32_le(),
-                    bytes: b.get_u64_le(),
-                }
-            }
-            3 => {
-                need(29, b)?;
-                Ctl::Classify {
-                    id: b.get_u64_le(),
-                    rkey: b.get_u32_le(),
-                    addr: b.get_u64_le(),
-                    len: b.get_u64_le(),
-                    need: b.get_u8(),
-                }
-            }
-            4 => {
-                need(9, b)?;
-                Ctl::Classified {
-                    id: b.get_u64_le(),
-                    code: b.get_u8(),
-                }
-            }
-            5 | 6 => {
-                need(16, b)?;
-                let (gen, qpn, psn, epsn) = (
-                    b.get_u32_le(),
-                    b.get_u32_le(),
-                    b.get_u32_le(),
-                    b.get_u32_le(),
-                );
-                if kind == 5 {
-                    Ctl::Reset {
-                        gen,
-                        qpn,
-                        psn,
-                        epsn,
-                    }
-                } else {
-                    Ctl::ResetAck {
-                        gen,
-                        qpn,
-                        psn,
-                        epsn,
-                    }
-                }
-            }
-            7 => {
-                need(4, b)?;
-                Ctl::NeedReset {
-                    gen: b.get_u32_le(),
-                }
-            }
-            k => return Err(Error::Protocol(format!("unknown control message {k}"))),
-        })
-    }
-}
 
 async fn read_ctl(r: &mut OwnedReadHalf) -> std::io::Result<Ctl> {
     let mut h = [0u8; 2];
@@ -1808,60 +1528,7 @@ impl RawConnection for RdmaConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn params_round_trip_and_reject() {
-        let p = Params {
-            version: RDMA_VERSION,
-            selective_repeat: true,
-            bundles: true,
-            qpn: 0x12345,
-            psn: 0xABCDEF,
-            udp_port: 4791,
-            mtu: 4096,
-            gid: "198.18.0.1".parse().unwrap(),
-            timers: QpTimers {
-                timeout: 14,
-                retry_cnt: 6,
-                rnr_retry: 7,
-            },
-            max_rd_atomic: 128,
-        };
-        let b = p.encode();
-        assert_eq!(b[39], 128, "the depth is the last byte");
-        assert_eq!(Params::decode(&b).unwrap(), p);
-        let mut legacy = b;
-        legacy[39] = 0;
-        assert_eq!(
-            Params::decode(&legacy).unwrap().max_rd_atomic,
-            LEGACY_MAX_RD_ATOMIC,
-            "a peer that sent no depth used 16"
-        );
-        let mut bad = b;
-        bad[0] = b'X';
-        assert!(matches!(Params::decode(&bad), Err(Error::Protocol(_))));
-        let mut v1 = b;
-        v1[4] = 1;
-        assert!(matches!(
-            Params::decode(&v1),
-            Err(Error::VersionMismatch { local: 2, peer: 1 })
-        ));
-        assert!(matches!(
-            Params::check_header(&v1[..6]),
-            Err(Error::VersionMismatch { local: 2, peer: 1 })
-        ));
-        let mut mtu = b;
-        mtu[18..20].copy_from_slice(&1500u16.to_le_bytes());
-        assert!(matches!(Params::decode(&mtu), Err(Error::Protocol(_))));
-        for (at, v) in [(36, 32u8), (37, 8), (38, 8)] {
-            let mut t = b;
-            t[at] = v;
-            assert!(
-                matches!(Params::decode(&t), Err(Error::Protocol(_))),
-                "{at}"
-            );
-        }
-    }
+    use crate::control::PARAMS_MAGIC;
 
     #[tokio::test]
     async fn an_older_peer_gets_a_version_mismatch_not_a_hang() {
@@ -1891,49 +1558,6 @@ mod tests {
         ));
         drop(s);
         old_peer.await.unwrap();
-    }
-
-    #[test]
-    fn control_messages_round_trip() {
-        let all = [
-            Ctl::Close,
-            Ctl::Credit {
-                msgs: 7,
-                bytes: 1 << 40,
-            },
-            Ctl::Classify {
-                id: 9,
-                rkey: 0xdead,
-                addr: u64::MAX,
-                len: 5,
-                need: 4,
-            },
-            Ctl::Classified { id: 9, code: 3 },
-            Ctl::Reset {
-                gen: 1,
-                qpn: 2,
-                psn: 3,
-                epsn: 4,
-            },
-            Ctl::ResetAck {
-                gen: 5,
-                qpn: 6,
-                psn: 7,
-                epsn: 8,
-            },
-            Ctl::NeedReset { gen: 9 },
-        ];
-        for m in all {
-            let mut b = Vec::new();
-            m.encode(&mut b);
-            assert_eq!(usize::from(b[1]), b.len() - 2);
-            assert_eq!(Ctl::decode(b[0], &b[2..]).unwrap(), m);
-            // Truncated bodies and unknown kinds are clear errors.
-            if b.len() > 2 {
-                assert!(Ctl::decode(b[0], &b[2..b.len() - 1]).is_err());
-            }
-        }
-        assert!(Ctl::decode(99, &[]).is_err());
     }
 
     #[test]

@@ -9,6 +9,9 @@
 //!   host, wire-compatible with NICs.
 //! - [`sysfs`]: RDMA devices, ports and GID tables as the kernel lists them,
 //!   and the RoCEv2 GID choice for a connection.
+//! - [`control`]: the bytes of the TCP side channel after the handshake (the
+//!   PARAMS each end sends about its QP, then the control messages).
+//! - [`bundle`]: several small messages in one SEND, for a peer that takes them.
 //!
 //! ```no_run
 //! # async fn demo() -> rdmx_core::Result<()> {
@@ -24,6 +27,7 @@
 
 pub mod bundle;
 mod conn;
+pub mod control;
 pub mod hw;
 pub mod soft;
 mod sys;
@@ -36,7 +40,8 @@ use rdmx_core::{BoxFuture, Capabilities, Connection, Error, Listener, Options, R
 use rdmx_transport_tcp::handshake::{self, Limits};
 use tokio::net::{TcpListener, TcpStream};
 
-pub use conn::{MAX_RDMA_SIZE, RDMA_VERSION};
+pub use conn::MAX_RDMA_SIZE;
+pub use control::RDMA_VERSION;
 pub use soft::{SoftConfig, SoftRoce};
 use verbs::{Provider, QpOptions};
 

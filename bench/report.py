@@ -458,7 +458,13 @@ if sr[0]:
                     w(f"| {p / 10:.1f}% | {op} | {f(v, 1)} | {f(s_, 0)}% | {n} | {f(v / c) if c else '—'} | {ks} |")
         w("")
 
-rpc = rdmx("rpc_bench")
+# rpc_bench runs each point (size, calls in flight) on every system in turn;
+# its table lists the systems one after another, in the order it sets them up.
+RPC_SYSTEMS = ("rdmx-rpc/tcp", "rdmx-rpc/tcp-uncoalesced", "rdmx-rpc/soft-roce",
+               "tonic/tcp", "tonic/rdmx-tcp", "tonic/rdmx-soft-roce")
+rpc = sorted(rdmx("rpc_bench") or [],
+             key=lambda r: (RPC_SYSTEMS.index(r["system"]) if r["system"] in RPC_SYSTEMS
+                            else len(RPC_SYSTEMS), r["size"], r["concurrency"]))
 load = {}  # system -> (median QPS, spread %, p99, CPU µs/call, writes/call) under load
 if rpc:
     w("## RPC: rdmx-rpc against tonic\n")
@@ -470,7 +476,9 @@ if rpc:
       "writes/call counts its write-family system calls (`write`, `writev`: `syscw` of /proc/self/io; "
       "socket reads are not counted there). `rdmx-rpc/tcp-uncoalesced` is rdmx-rpc with frame "
       "coalescing off (`ServerOptions::coalesce`, `Client::set_coalescing`): one send per frame, "
-      "as before coalescing existed.\n")
+      "as before coalescing existed. Each point (size, calls in flight) runs on every system in "
+      "turn, each point starting one system further along, so that the systems compared at a "
+      "point are measured within seconds of each other, not a whole sweep apart.\n")
     w(f"Command: `{cmd('rpc_bench')}`\n")
     w("| system | size | concurrency | QPS | p50 µs | p99 µs | MB/s | CPU µs/call | writes/call |")
     w("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

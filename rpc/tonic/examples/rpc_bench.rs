@@ -1,4 +1,5 @@
-//! Unary echo benchmark, one run, every system on this host:
+//! Unary echo benchmark, one run, every system on this host (each point,
+//! a size and a number of calls in flight, runs every system in turn):
 //! rdmx-rpc over TCP (with and without coalescing) and over soft RoCE, tonic over its own TCP, and tonic
 //! over rdmx (TCP and soft RoCE). Prints one JSON line per point:
 //! QPS, p50 and p99 latency, MB/s, and this process's CPU time and context
@@ -180,9 +181,23 @@ fn report(system: &str, size: usize, conc: usize, r: Run) {
     );
 }
 
-async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan, coalesce: bool) {
+/// A system under test, set up once: `point(size, conc)` measures one point.
+/// Every point runs each system in turn (see `main`), so the ratios between
+/// systems compare measurements seconds apart, not a whole sweep apart.
+struct System {
+    name: &'static str,
+    point: Box<dyn Fn(usize, usize) -> futures_util::future::BoxFuture<'static, Run> + Send + Sync>,
+    stop: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+async fn rdmx_rpc(
+    name: &'static str,
+    t: Arc<dyn Transport>,
+    plan: &Plan,
+    coalesce: bool,
+) -> Option<System> {
     if !plan.wants(name) {
-        return;
+        return None;
     }
     let service =
         Service::new("bench", 1).method_bytes("echo", |b: Bytes| async move { Ok::<_, String>(b) });
@@ -201,42 +216,45 @@ async fn rdmx_rpc(name: &str, t: Arc<dyn Transport>, plan: &Plan, coalesce: bool
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let client = Client::connect(conn, "bench", 1, &["echo"]).await.unwrap();
     client.set_coalescing(coalesce);
-    for &size in &plan.sizes {
-        let body = Bytes::from(vec![0x5au8; size]);
-        for &conc in &plan.concurrency {
-            let (c, b) = (client.clone(), body.clone());
-            let r = drive(conc, plan.dur, move || {
+    let dur = plan.dur;
+    Some(System {
+        name,
+        point: Box::new(move |size, conc| {
+            let (c, b) = (client.clone(), Bytes::from(vec![0x5au8; size]));
+            Box::pin(drive(conc, dur, move || {
                 let (c, b) = (c.clone(), b.clone());
                 async move {
                     let back = c.call_bytes("echo", b).await.unwrap();
                     assert_eq!(back.len(), size);
                 }
-            })
-            .await;
-            report(name, size, conc, r);
-        }
-    }
-    server.shutdown();
+            }))
+        }),
+        stop: Some(Box::new(move || server.shutdown())),
+    })
 }
 
-async fn tonic_bench(name: &str, mut client: EchoClient<tonic::transport::Channel>, plan: &Plan) {
-    client = client
+fn tonic_system(
+    name: &'static str,
+    client: EchoClient<tonic::transport::Channel>,
+    plan: &Plan,
+) -> System {
+    let client = client
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
-    for &size in &plan.sizes {
-        let payload = vec![0x5au8; size];
-        for &conc in &plan.concurrency {
-            let (c, p) = (client.clone(), payload.clone());
-            let r = drive(conc, plan.dur, move || {
+    let dur = plan.dur;
+    System {
+        name,
+        point: Box::new(move |size, conc| {
+            let (c, p) = (client.clone(), vec![0x5au8; size]);
+            Box::pin(drive(conc, dur, move || {
                 let (mut c, p) = (c.clone(), p.clone());
                 async move {
                     let back = c.unary(EchoRequest { payload: p }).await.unwrap();
                     assert_eq!(back.into_inner().payload.len(), size);
                 }
-            })
-            .await;
-            report(name, size, conc, r);
-        }
+            }))
+        }),
+        stop: None,
     }
 }
 
@@ -246,9 +264,9 @@ fn echo_server() -> EchoServer<Svc> {
         .max_encoding_message_size(64 << 20)
 }
 
-async fn tonic_over_rdmx(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
+async fn tonic_over_rdmx(name: &'static str, t: Arc<dyn Transport>, plan: &Plan) -> Option<System> {
     if !plan.wants(name) {
-        return;
+        return None;
     }
     let l = t.listen("127.0.0.1:0", &Options::default()).await.unwrap();
     let addr = l.local_addr().to_string();
@@ -259,12 +277,12 @@ async fn tonic_over_rdmx(name: &str, t: Arc<dyn Transport>, plan: &Plan) {
     );
     let conn = t.connect(&addr, &Options::default()).await.unwrap();
     let ch = rdmx_rpc_tonic::channel(conn).await.unwrap();
-    tonic_bench(name, EchoClient::new(ch), plan).await;
+    Some(tonic_system(name, EchoClient::new(ch), plan))
 }
 
-async fn tonic_over_tcp(plan: &Plan) {
+async fn tonic_over_tcp(plan: &Plan) -> Option<System> {
     if !plan.wants("tonic/tcp") {
-        return;
+        return None;
     }
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -287,7 +305,7 @@ async fn tonic_over_tcp(plan: &Plan) {
         .connect()
         .await
         .unwrap();
-    tonic_bench("tonic/tcp", EchoClient::new(ch), plan).await;
+    Some(tonic_system("tonic/tcp", EchoClient::new(ch), plan))
 }
 
 fn main() {
@@ -324,13 +342,37 @@ fn main() {
         tokio::spawn(async move {
             let tcp: Arc<dyn Transport> = Arc::new(rdmx_transport_tcp::TcpTransport::new());
             let rdma: Arc<dyn Transport> = Arc::new(rdmx_transport_rdma::RdmaTransport::new());
-            rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), &plan, true).await;
-            // The same without coalescing (one send per frame): what it buys.
-            rdmx_rpc("rdmx-rpc/tcp-uncoalesced", tcp.clone(), &plan, false).await;
-            rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), &plan, true).await;
-            tonic_over_tcp(&plan).await;
-            tonic_over_rdmx("tonic/rdmx-tcp", tcp, &plan).await;
-            tonic_over_rdmx("tonic/rdmx-soft-roce", rdma, &plan).await;
+            let systems: Vec<System> = [
+                rdmx_rpc("rdmx-rpc/tcp", tcp.clone(), &plan, true).await,
+                // The same without coalescing (one send per frame): what it buys.
+                rdmx_rpc("rdmx-rpc/tcp-uncoalesced", tcp.clone(), &plan, false).await,
+                rdmx_rpc("rdmx-rpc/soft-roce", rdma.clone(), &plan, true).await,
+                tonic_over_tcp(&plan).await,
+                tonic_over_rdmx("tonic/rdmx-tcp", tcp, &plan).await,
+                tonic_over_rdmx("tonic/rdmx-soft-roce", rdma, &plan).await,
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            // Each point runs every system, starting one further along the
+            // list from point to point, so that no system always goes first
+            // after a change of size (or always follows the same one).
+            let mut k = 0;
+            for &size in &plan.sizes {
+                for &conc in &plan.concurrency {
+                    for i in 0..systems.len() {
+                        let sys = &systems[(k + i) % systems.len()];
+                        let run = (sys.point)(size, conc).await;
+                        report(sys.name, size, conc, run);
+                    }
+                    k += 1;
+                }
+            }
+            for sys in systems {
+                if let Some(stop) = sys.stop {
+                    stop();
+                }
+            }
         })
         .await
         .unwrap();

@@ -114,7 +114,7 @@ enum BlockCmd {
     /// nbd-client, qemu-img, qemu-io, nbdinfo, nbdcopy, fio's nbd engine).
     #[command(after_help = "Example:\n  \
         rdmx block serve --ram 1g --rdmx rdma://127.0.0.1:4430 &\n  \
-        rdmx block nbd --listen 127.0.0.1:10809 --target rdma://127.0.0.1:4430 &\n  \
+        rdmx block nbd --listen 127.0.0.1:10809 --target rdma://127.0.0.1:4430 --metrics 127.0.0.1:9501 &\n  \
         qemu-img info nbd://127.0.0.1:10809/rdmx")]
     Nbd {
         /// Address for NBD clients.
@@ -139,6 +139,11 @@ enum BlockCmd {
         /// polling: lower latency for CPU; unset: sleep at once).
         #[arg(long)]
         busy_poll_us: Option<u64>,
+        /// Serve Prometheus metrics (GET /metrics) on this address: NBD
+        /// connections, requests, bytes, errors and latency, and the rdmx
+        /// connections to the target.
+        #[arg(long)]
+        metrics: Option<String>,
     },
 }
 
@@ -178,6 +183,7 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             export,
             queues,
             busy_poll_us,
+            metrics,
         } => {
             use rdmx_block::fabric::{BlockError, Initiator, InitiatorConfig};
             let cfg = InitiatorConfig {
@@ -206,16 +212,19 @@ pub(crate) async fn run(a: BlockArgs) -> Result<(), Error> {
             let l = tokio::net::TcpListener::bind(&listen)
                 .await
                 .map_err(|e| Error::Connect(format!("listen on {listen}: {e}")))?;
-            eprintln!("rdmx block nbd: export {export:?} on {listen}");
-            rdmx_block::nbd::serve(
-                l,
-                Arc::new(dev),
-                rdmx_block::nbd::NbdConfig {
-                    export,
-                    ..Default::default()
-                },
-            )
-            .await;
+            let cfg = rdmx_block::nbd::NbdConfig {
+                export,
+                ..Default::default()
+            };
+            if let Some(m) = &metrics {
+                let stats = cfg.stats.clone();
+                let extra: rdmx_core::metrics::Extra =
+                    Arc::new(move |out: &mut String| stats.render(out));
+                let at = rdmx_core::metrics::serve(m, Some(extra)).await?;
+                eprintln!("rdmx block nbd: metrics on http://{at}/metrics");
+            }
+            eprintln!("rdmx block nbd: export {:?} on {listen}", cfg.export);
+            rdmx_block::nbd::serve(l, Arc::new(dev), cfg).await;
             Ok(())
         }
         BlockCmd::Serve {

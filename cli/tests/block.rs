@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::{explain, free_port, rdmx, Spawned};
+use common::{explain, free_port, metric, rdmx, scrape, Spawned};
 use rdmx_block::fabric::{Initiator, InitiatorConfig};
 
 fn run(cmd: &mut Command) -> String {
@@ -36,6 +36,9 @@ struct Stack {
     _target: Spawned,
     nbd: Spawned,
     uri: String,
+    /// The export's NBD address and its metrics endpoint.
+    listen: String,
+    metrics: String,
 }
 
 fn stack(scheme: &str, namespace: &[&str]) -> Stack {
@@ -47,15 +50,126 @@ fn stack(scheme: &str, namespace: &[&str]) -> Stack {
     args.extend_from_slice(&["--nvme-tcp", &tcp_addr, "--rdmx", &fab_url]);
     let target = Spawned::start(&args, "NVMe over rdmx on");
     let listen = format!("127.0.0.1:{nbd}");
+    let metrics = format!("127.0.0.1:{}", free_port());
     let n = Spawned::start(
-        &["block", "nbd", "--listen", &listen, "--target", &fab_url],
+        &[
+            "block",
+            "nbd",
+            "--listen",
+            &listen,
+            "--target",
+            &fab_url,
+            "--metrics",
+            &metrics,
+        ],
         "export \"rdmx\"",
     );
     Stack {
         _target: target,
         nbd: n,
         uri: format!("nbd://{listen}/rdmx"),
+        listen,
+        metrics,
     }
+}
+
+/// The value of `name{command="command"}`.
+fn per_command(text: &str, name: &str, command: &str) -> f64 {
+    let key = format!("{name}{{command=\"{command}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .unwrap_or_else(|| panic!("no {key} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Scrape until `ok` holds (the export counts a connection's end when it
+/// notices it), or fail after 5 s with the last scrape.
+fn scrape_until(addr: &str, ok: impl Fn(&str) -> bool) -> String {
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = scrape(addr);
+        if ok(&text) {
+            return text;
+        }
+        assert!(t0.elapsed().as_secs() < 5, "{text}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The export's counters after the clients of `clients_against`: at least
+/// the bytes they moved, every command they used, no errors, every
+/// connection closed, a histogram that counts every request; then a client
+/// that breaks the negotiation is counted as a protocol error.
+fn check_metrics(s: &Stack) {
+    let text = scrape_until(&s.metrics, |t| metric(t, "rdmx_nbd_connections") == 0.0);
+    let c = |name: &str, command: &str| per_command(&text, name, command);
+    // nbdcopy and qemu-img each read the whole 64 MiB export.
+    assert!(
+        c("rdmx_nbd_bytes_total", "read") >= (128 << 20) as f64,
+        "{text}"
+    );
+    // nbdcopy 8 MiB, qemu-img 8 MiB, fio 16 MiB, qemu-io 64 KiB.
+    assert!(
+        c("rdmx_nbd_bytes_total", "write") >= ((32 << 20) + (64 << 10)) as f64,
+        "{text}"
+    );
+    for command in ["write_zeroes", "trim", "flush"] {
+        assert!(
+            c("rdmx_nbd_requests_total", command) >= 1.0,
+            "{command}: {text}"
+        );
+    }
+    assert!(
+        c("rdmx_nbd_bytes_total", "write_zeroes") >= (1 << 20) as f64,
+        "{text}"
+    );
+    assert!(
+        c("rdmx_nbd_bytes_total", "trim") >= (1 << 20) as f64,
+        "{text}"
+    );
+    let commands = [
+        "read",
+        "write",
+        "flush",
+        "trim",
+        "cache",
+        "write_zeroes",
+        "block_status",
+        "other",
+    ];
+    let errors: f64 = commands.iter().map(|k| c("rdmx_nbd_errors_total", k)).sum();
+    assert_eq!(errors, 0.0, "{text}");
+    let requests: f64 = commands
+        .iter()
+        .map(|k| c("rdmx_nbd_requests_total", k))
+        .sum();
+    assert_eq!(metric(&text, "rdmx_nbd_latency_seconds_count"), requests);
+    assert_eq!(metric(&text, "rdmx_nbd_inflight"), 0.0);
+    assert_eq!(metric(&text, "rdmx_nbd_protocol_errors_total"), 0.0);
+    // nbdinfo, qemu-io, nbdcopy (twice), qemu-img (twice), fio.
+    assert!(metric(&text, "rdmx_nbd_connections_total") >= 7.0, "{text}");
+    // The Initiator's connections to the target: admin and I/O queues.
+    assert!(metric(&text, "rdmx_connections_open") >= 3.0, "{text}");
+    // A client that sends an option without IHAVEOPT.
+    {
+        use std::io::{Read, Write};
+        let mut t = std::net::TcpStream::connect(&s.listen).unwrap();
+        let mut hello = [0u8; 18];
+        t.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello[..8], b"NBDMAGIC");
+        t.write_all(&0u32.to_be_bytes()).unwrap();
+        t.write_all(&[0x55; 16]).unwrap();
+        let mut rest = Vec::new();
+        let _ = t.read_to_end(&mut rest);
+    }
+    let before = metric(&text, "rdmx_nbd_connections_total");
+    scrape_until(&s.metrics, |t| {
+        metric(t, "rdmx_nbd_protocol_errors_total") == 1.0
+            && metric(t, "rdmx_nbd_connections_total") == before + 1.0
+            && metric(t, "rdmx_nbd_connections") == 0.0
+    });
 }
 
 fn clients_against(scheme: &str) {
@@ -127,6 +241,7 @@ fn clients_against(scheme: &str) {
         // No verify state file left in the working directory.
         "--verify_state_save=0",
     ]));
+    check_metrics(&s);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -3,6 +3,8 @@
 
 pub mod proto;
 pub mod server;
+pub mod stats;
 mod transmission;
 
 pub use server::{connection, serve, NbdConfig, MAX_PAYLOAD};
+pub use stats::NbdStats;

@@ -12,6 +12,7 @@
 //! whatever their length. Every connection shares one Initiator, so a FLUSH
 //! on any of them covers writes completed on all (CAN_MULTI_CONN).
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::proto::{self, info, opt, rep, tflag};
+use super::stats::NbdStats;
 use super::transmission::transmission;
 use crate::fabric::Initiator;
 
@@ -39,6 +41,9 @@ pub struct NbdConfig {
     pub export: String,
     /// Description (INFO_DESCRIPTION).
     pub description: String,
+    /// Where the export counts connections and requests (shared by every
+    /// connection; render with [`NbdStats::render`]).
+    pub stats: Arc<NbdStats>,
 }
 
 impl Default for NbdConfig {
@@ -46,6 +51,7 @@ impl Default for NbdConfig {
         NbdConfig {
             export: "rdmx".into(),
             description: "an rdmx NVMe-oF namespace".into(),
+            stats: Arc::default(),
         }
     }
 }
@@ -57,11 +63,20 @@ pub async fn serve(listener: TcpListener, dev: Arc<Initiator>, cfg: NbdConfig) {
         match listener.accept().await {
             Ok((s, peer)) => {
                 let (d, c) = (dev.clone(), cfg.clone());
+                let stats = cfg.stats.clone();
+                stats.connections_total.fetch_add(1, Relaxed);
+                stats.connections.fetch_add(1, Relaxed);
                 tokio::spawn(async move {
                     match connection(s, d, c).await {
                         Ok(()) => tracing::debug!(%peer, "NBD connection closed"),
-                        Err(e) => tracing::info!(%peer, error = %e, "NBD connection ended"),
+                        Err(e) => {
+                            if e.kind() == std::io::ErrorKind::InvalidData {
+                                stats.protocol_errors.fetch_add(1, Relaxed);
+                            }
+                            tracing::info!(%peer, error = %e, "NBD connection ended")
+                        }
                     }
+                    stats.connections.fetch_sub(1, Relaxed);
                 });
             }
             Err(e) => {
@@ -103,7 +118,8 @@ pub async fn connection(
     let Some(session) = negotiate(&mut rd, &mut wr, &dev, &cfg).await? else {
         return Ok(());
     };
-    transmission(rd, wr, dev, session.structured, session.meta.is_some()).await
+    let meta = session.meta.is_some();
+    transmission(rd, wr, dev, session.structured, meta, cfg.stats.clone()).await
 }
 
 pub(super) fn bad(msg: &str) -> std::io::Error {

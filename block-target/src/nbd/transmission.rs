@@ -8,7 +8,9 @@
 //! between tasks: at queue depth 1 the NVMe response wakes the very task
 //! that writes the NBD reply.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::future::try_join_all;
@@ -18,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 
 use super::proto::{self, cflag, cmd, errno, Request};
 use super::server::{bad, MAX_INFLIGHT, MAX_PAYLOAD};
+use super::stats::NbdStats;
 use crate::fabric::{BlockError, Initiator};
 use crate::nvme::identify::MAX_TRANSFER;
 use crate::nvme::status::Status;
@@ -31,7 +34,28 @@ struct Reply {
     cookie: u64,
     kind: u16,
     offset: u64,
+    /// Bytes of the export the request covers (counted if it succeeded).
+    length: u32,
+    /// From the request read to its outcome.
+    took: Duration,
     result: Outcome,
+}
+
+/// A request being served, counted in [`NbdStats::inflight`] until it is
+/// answered or dropped with its connection.
+struct Serving(Arc<NbdStats>);
+
+impl Serving {
+    fn new(stats: &Arc<NbdStats>) -> Serving {
+        stats.inflight.fetch_add(1, Relaxed);
+        Serving(stats.clone())
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Relaxed);
+    }
 }
 
 /// What the client sent next.
@@ -112,11 +136,13 @@ pub(super) async fn transmission<R, W>(
     dev: Arc<Initiator>,
     structured: bool,
     meta: bool,
+    stats: Arc<NbdStats>,
 ) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let st = &*stats;
     let size = dev.blocks() * u64::from(dev.block_size());
     let bs = u64::from(dev.block_size());
     // What negotiation left buffered comes first.
@@ -142,14 +168,14 @@ where
             None => {
                 // A lull: replies and capsules of the burst leave now.
                 while let Some(Some(rep)) = inflight.next().now_or_never() {
-                    write_reply(&mut wr, rep, structured).await?;
+                    write_reply(&mut wr, rep, structured, st).await?;
                 }
                 cork = None;
                 wr.flush().await?;
                 tokio::select! {
                     biased;
                     Some(first) = inflight.next(), if !inflight.is_empty() => {
-                        write_reply(&mut wr, first, structured).await?;
+                        write_reply(&mut wr, first, structured, st).await?;
                         continue;
                     }
                     next = reader.next(), if reading && inflight.len() < MAX_INFLIGHT => next,
@@ -168,7 +194,7 @@ where
             Ok(Next::Request(r, p)) => (r, p),
             Ok(Next::Oversize(r)) => {
                 let rep = failed(&r, errno::EOVERFLOW, "write above the maximum payload");
-                write_reply(&mut wr, rep, structured).await?;
+                write_reply(&mut wr, rep, structured, st).await?;
                 continue;
             }
             // fio ends with a plain EOF, no DISC.
@@ -180,50 +206,65 @@ where
                 // Answer what is in flight, then report.
                 drop(cork);
                 while let Some(rep) = inflight.next().await {
-                    write_reply(&mut wr, rep, structured).await?;
+                    write_reply(&mut wr, rep, structured, st).await?;
                 }
                 wr.flush().await?;
                 return Err(e);
             }
         };
         if let Err((e, m)) = check(&r, size, bs, meta) {
-            write_reply(&mut wr, failed(&r, e, m), structured).await?;
+            write_reply(&mut wr, failed(&r, e, m), structured, st).await?;
             continue;
         }
         let dev2 = dev.clone();
+        let serving = Serving::new(&stats);
+        let t0 = Instant::now();
         inflight.push(async move {
             let result = run(&dev2, &r, payload, size).await;
+            drop(serving);
             Reply {
                 cookie: r.cookie,
                 kind: r.kind,
                 offset: r.offset,
+                length: r.length,
+                took: t0.elapsed(),
                 result,
             }
         });
         // Post its capsule (into the cork), and take what has finished.
         while let Some(Some(rep)) = inflight.next().now_or_never() {
-            write_reply(&mut wr, rep, structured).await?;
+            write_reply(&mut wr, rep, structured, st).await?;
         }
     }
     drop(cork);
     wr.flush().await
 }
 
+/// The error reply to a request refused before it ran.
 fn failed(r: &Request, code: u32, msg: &str) -> Reply {
     Reply {
         cookie: r.cookie,
         kind: r.kind,
         offset: r.offset,
+        length: r.length,
+        took: Duration::ZERO,
         result: Err((code, msg.to_string())),
     }
 }
 
-/// Write one reply (simple, or structured where negotiated) into `wr`.
+/// Write one reply (simple, or structured where negotiated) into `wr`, and
+/// count it.
 async fn write_reply<W: AsyncWrite + Unpin>(
     wr: &mut BufWriter<W>,
     rep: Reply,
     structured: bool,
+    stats: &NbdStats,
 ) -> std::io::Result<()> {
+    let covered = match (rep.kind, &rep.result) {
+        (_, Err(_)) | (cmd::FLUSH | cmd::BLOCK_STATUS, _) => 0,
+        _ => u64::from(rep.length),
+    };
+    stats.record(rep.kind, covered, rep.result.is_err(), rep.took);
     let mut h = BytesMut::with_capacity(64);
     match (rep.kind, rep.result) {
         (cmd::READ, Ok(Some(data))) if structured => {

@@ -13,6 +13,60 @@ pub const LATENCY_BUCKETS_US: [u64; 12] = [
     25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 50_000, 250_000, 1_000_000,
 ];
 
+/// A latency histogram over [`LATENCY_BUCKETS_US`], counted with atomics
+/// and rendered as a Prometheus histogram in seconds.
+#[derive(Default)]
+pub struct LatencyHistogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl LatencyHistogram {
+    /// Count one observation.
+    pub fn record(&self, took: Duration) {
+        let us = took.as_micros() as u64;
+        let b = LATENCY_BUCKETS_US
+            .iter()
+            .position(|&le| us <= le)
+            .unwrap_or(LATENCY_BUCKETS_US.len());
+        self.buckets[b].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(us, Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().map(|b| b.load(Relaxed)).sum()
+    }
+
+    /// Append the `_bucket`, `_sum` and `_count` lines of histogram `name`;
+    /// `labels` (`nsid="1"`, or empty) go before each bucket's `le`.
+    pub fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let mut cum = 0;
+        for (i, le) in LATENCY_BUCKETS_US.iter().enumerate() {
+            cum += self.buckets[i].load(Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{}\"}} {cum}",
+                *le as f64 / 1e6
+            );
+        }
+        cum += self.buckets[LATENCY_BUCKETS_US.len()].load(Relaxed);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cum}\n\
+             {name}_sum{braces} {}\n\
+             {name}_count{braces} {cum}",
+            self.sum_us.load(Relaxed) as f64 / 1e6
+        );
+    }
+}
+
 /// The I/O operations counted per namespace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoOp {
@@ -55,8 +109,7 @@ impl IoOp {
 pub struct NamespaceStats {
     ops: [AtomicU64; 5],
     bytes: [AtomicU64; 5],
-    latency: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    latency_sum_us: AtomicU64,
+    latency: LatencyHistogram,
 }
 
 impl NamespaceStats {
@@ -65,13 +118,7 @@ impl NamespaceStats {
         let i = op as usize;
         self.ops[i].fetch_add(1, Relaxed);
         self.bytes[i].fetch_add(bytes, Relaxed);
-        let us = took.as_micros() as u64;
-        let b = LATENCY_BUCKETS_US
-            .iter()
-            .position(|&le| us <= le)
-            .unwrap_or(LATENCY_BUCKETS_US.len());
-        self.latency[b].fetch_add(1, Relaxed);
-        self.latency_sum_us.fetch_add(us, Relaxed);
+        self.latency.record(took);
     }
 
     /// Operations of a kind so far.
@@ -163,22 +210,10 @@ pub fn render(out: &mut String, t: &TargetStats, namespaces: &[(u32, &NamespaceS
          # TYPE rdmx_block_latency_seconds histogram"
     );
     for (nsid, s) in namespaces {
-        let mut cum = 0;
-        for (i, le) in LATENCY_BUCKETS_US.iter().enumerate() {
-            cum += s.latency[i].load(Relaxed);
-            let _ = writeln!(
-                out,
-                "rdmx_block_latency_seconds_bucket{{nsid=\"{nsid}\",le=\"{}\"}} {cum}",
-                *le as f64 / 1e6
-            );
-        }
-        cum += s.latency[LATENCY_BUCKETS_US.len()].load(Relaxed);
-        let _ = writeln!(
+        s.latency.render(
             out,
-            "rdmx_block_latency_seconds_bucket{{nsid=\"{nsid}\",le=\"+Inf\"}} {cum}\n\
-             rdmx_block_latency_seconds_sum{{nsid=\"{nsid}\"}} {}\n\
-             rdmx_block_latency_seconds_count{{nsid=\"{nsid}\"}} {cum}",
-            s.latency_sum_us.load(Relaxed) as f64 / 1e6
+            "rdmx_block_latency_seconds",
+            &format!("nsid=\"{nsid}\""),
         );
     }
     let _ = writeln!(
@@ -239,6 +274,8 @@ mod tests {
         assert!(out.contains("rdmx_block_latency_seconds_bucket{nsid=\"1\",le=\"0.00005\"} 1"));
         assert!(out.contains("rdmx_block_latency_seconds_bucket{nsid=\"1\",le=\"0.0025\"} 2"));
         assert!(out.contains("rdmx_block_latency_seconds_bucket{nsid=\"1\",le=\"+Inf\"} 3"));
+        assert!(out.contains("rdmx_block_latency_seconds_count{nsid=\"1\"} 3"));
+        assert!(out.contains("rdmx_block_latency_seconds_sum{nsid=\"1\"} 3.00203"));
         assert!(out.contains("rdmx_block_errors_total{status=\"lba_out_of_range\"} 1"));
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use super::proto::cmd;
-use crate::metrics::LATENCY_BUCKETS_US;
+use crate::metrics::LatencyHistogram;
 
 /// The label of each counted command, by NBD command number (NBD
 /// `doc/proto.md`, "Request types"); anything else counts as `other`.
@@ -43,8 +43,7 @@ pub struct NbdStats {
     requests: [AtomicU64; OTHER + 1],
     bytes: [AtomicU64; OTHER + 1],
     errors: [AtomicU64; OTHER + 1],
-    latency: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    latency_sum_us: AtomicU64,
+    latency: LatencyHistogram,
 }
 
 impl std::fmt::Debug for NbdStats {
@@ -70,13 +69,7 @@ impl NbdStats {
         if failed {
             self.errors[i].fetch_add(1, Relaxed);
         }
-        let us = took.as_micros() as u64;
-        let b = LATENCY_BUCKETS_US
-            .iter()
-            .position(|&le| us <= le)
-            .unwrap_or(LATENCY_BUCKETS_US.len());
-        self.latency[b].fetch_add(1, Relaxed);
-        self.latency_sum_us.fetch_add(us, Relaxed);
+        self.latency.record(took);
     }
 
     /// Requests of command `kind` answered so far.
@@ -116,7 +109,8 @@ impl NbdStats {
         per_command(
             out,
             "rdmx_nbd_bytes_total",
-            "Bytes of the export that NBD requests answered without error covered (read, written, zeroed, trimmed, cached), per command.",
+            "Bytes of the export covered by NBD requests answered without error \
+             (read, written, zeroed, trimmed, cached), per command.",
             &self.bytes,
         );
         per_command(
@@ -130,22 +124,10 @@ impl NbdStats {
             "# HELP rdmx_nbd_latency_seconds NBD request service time in the export.\n\
              # TYPE rdmx_nbd_latency_seconds histogram"
         );
-        let mut cum = 0;
-        for (i, le) in LATENCY_BUCKETS_US.iter().enumerate() {
-            cum += self.latency[i].load(Relaxed);
-            let _ = writeln!(
-                out,
-                "rdmx_nbd_latency_seconds_bucket{{le=\"{}\"}} {cum}",
-                *le as f64 / 1e6
-            );
-        }
-        cum += self.latency[LATENCY_BUCKETS_US.len()].load(Relaxed);
+        self.latency.render(out, "rdmx_nbd_latency_seconds", "");
         let _ = writeln!(
             out,
-            "rdmx_nbd_latency_seconds_bucket{{le=\"+Inf\"}} {cum}\n\
-             rdmx_nbd_latency_seconds_sum {}\n\
-             rdmx_nbd_latency_seconds_count {cum}\n\
-             # HELP rdmx_nbd_inflight NBD requests being served now.\n\
+            "# HELP rdmx_nbd_inflight NBD requests being served now.\n\
              # TYPE rdmx_nbd_inflight gauge\n\
              rdmx_nbd_inflight {}\n\
              # HELP rdmx_nbd_connections NBD client connections open now.\n\
@@ -157,7 +139,6 @@ impl NbdStats {
              # HELP rdmx_nbd_protocol_errors_total NBD connections ended by a client breaking the protocol.\n\
              # TYPE rdmx_nbd_protocol_errors_total counter\n\
              rdmx_nbd_protocol_errors_total {}",
-            self.latency_sum_us.load(Relaxed) as f64 / 1e6,
             self.inflight.load(Relaxed),
             self.connections.load(Relaxed),
             self.connections_total.load(Relaxed),

@@ -33,11 +33,6 @@ impl LatencyHistogram {
         self.sum_us.fetch_add(us, Relaxed);
     }
 
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.buckets.iter().map(|b| b.load(Relaxed)).sum()
-    }
-
     /// Append the `_bucket`, `_sum` and `_count` lines of histogram `name`;
     /// `labels` (`nsid="1"`, or empty) go before each bucket's `le`.
     pub fn render(&self, out: &mut String, name: &str, labels: &str) {

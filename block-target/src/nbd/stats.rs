@@ -1,7 +1,8 @@
 //! Counters of an NBD export users can read (`rdmx block nbd --metrics`):
 //! client connections, requests and bytes per command, error replies, a
 //! latency histogram of requests as the export serves them (from the whole
-//! request read to its reply written), rendered as Prometheus text.
+//! request read to its outcome known, before the reply is written),
+//! rendered as Prometheus text.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};

@@ -227,6 +227,11 @@ impl Ipv4IdSolver {
         h[4] = 0;
         h[5] = 0;
         let c0 = compute(&h[..n], udp, transport);
+        if c0 == wire_icrc {
+            // Identification 0, what an unconnected sender's DF datagrams
+            // carry (every soft device's): no system to look up and reduce.
+            return Some(0);
+        }
         // Bytes after the Identification field: rest of the IP header (from
         // offset 6), UDP header, transport bytes.
         let after = (ip.len() - 6) + udp.len() + transport.len();
@@ -297,6 +302,26 @@ mod tests {
         }
     }
 
+    /// A packet sealed under Identification 0 (every unconnected sender's
+    /// DF datagrams) is verified by its ICRC alone, whatever the header
+    /// shows, without eliminating a system for its length; one corrupted
+    /// elsewhere still goes through the system and fails.
+    #[test]
+    fn identification_zero_needs_no_system() {
+        let mut ip = hex("4502004c 0000 4000 4011 0000 0a000001 0a000002");
+        let udp = hex("c123 12b7 0038 0000");
+        let t: Vec<u8> = (0..100u8).collect();
+        let wire = compute(&ip, &udp, &t);
+        ip[4..6].copy_from_slice(&[0x12, 0x34]);
+        let mut solver = Ipv4IdSolver::new();
+        assert_eq!(solver.solve(&ip, &udp, &t, wire), Some(0));
+        assert!(solver.echelons.is_empty());
+        let mut bad = t.clone();
+        bad[50] ^= 0x80;
+        assert_eq!(solver.solve(&ip, &udp, &bad, wire), None);
+        assert_eq!(solver.echelons.len(), 1);
+    }
+
     proptest::proptest! {
         /// Any Identification under which a packet was sealed is recovered
         /// from its ICRC, whatever the header says and whatever solves came
@@ -312,9 +337,14 @@ mod tests {
             let udp = hex("c123 12b7 0038 0000");
             let mut solver = Ipv4IdSolver::new();
             for n in earlier {
+                // Sealed under a non-zero Identification, so that each
+                // fills the solver's cache (zero takes a shortcut).
                 let other = vec![7u8; n];
+                let other_id = (n as u16).wrapping_mul(40503) | 1;
+                ip[4..6].copy_from_slice(&other_id.to_be_bytes());
                 let c = compute(&ip, &udp, &other);
-                proptest::prop_assert_eq!(solver.solve(&ip, &udp, &other, c), Some(0));
+                ip[4..6].copy_from_slice(&[0, 0]);
+                proptest::prop_assert_eq!(solver.solve(&ip, &udp, &other, c), Some(other_id));
             }
             ip[4..6].copy_from_slice(&id.to_be_bytes());
             let wire = compute(&ip, &udp, &t);

@@ -43,6 +43,9 @@ impl Qp {
             }
             if self.tx_wqe > 0 {
                 self.tx_wqe -= 1;
+                if w.needs_response() {
+                    self.responses_sent -= 1;
+                }
             } else {
                 // We were (re)transmitting the WQE a late ACK just completed:
                 // the next one starts at its first packet.

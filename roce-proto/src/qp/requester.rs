@@ -122,13 +122,25 @@ impl Qp {
         // for only its last max_rd_atomic of them (IBTA 9.5, o9-21), and the
         // oldest may still have to be asked again.
         if wqe.needs_response() && self.tx_pkt == 0 {
-            let outstanding = self
+            // Those sent, less the finished ones at the head (rarely any:
+            // finished WQEs leave the head as they finish).
+            let finished_at_head = self
                 .sq
                 .iter()
                 .take(self.tx_wqe)
-                .skip_while(|w| w.done.is_some())
+                .take_while(|w| w.done.is_some())
                 .filter(|w| w.needs_response())
                 .count();
+            let outstanding = self.responses_sent - finished_at_head;
+            debug_assert_eq!(
+                outstanding,
+                self.sq
+                    .iter()
+                    .take(self.tx_wqe)
+                    .skip_while(|w| w.done.is_some())
+                    .filter(|w| w.needs_response())
+                    .count()
+            );
             if outstanding >= self.cfg.max_rd_atomic as usize {
                 return None;
             }
@@ -182,6 +194,9 @@ impl Qp {
         }
         self.tx_pkt += advance;
         if self.tx_pkt >= wqe.npkts {
+            if wqe.needs_response() {
+                self.responses_sent += 1;
+            }
             self.tx_wqe += 1;
             self.tx_pkt = 0;
         }
@@ -389,6 +404,16 @@ impl Qp {
         true
     }
 
+    /// Count `responses_sent` afresh (after `tx_wqe` moved back).
+    fn count_responses_sent(&mut self) {
+        self.responses_sent = self
+            .sq
+            .iter()
+            .take(self.tx_wqe)
+            .filter(|w| w.needs_response())
+            .count();
+    }
+
     /// Go back to `psn` and resend everything from there (rocev2-reference §7).
     pub(super) fn rewind(&mut self, psn: u32) {
         self.stats.rewinds += 1;
@@ -405,10 +430,12 @@ impl Qp {
                 .position(|w| w.done.is_none())
                 .unwrap_or(self.sq.len());
             self.tx_pkt = 0;
+            self.count_responses_sent();
             return;
         };
-        let w = &mut self.sq[i];
         self.tx_wqe = i;
+        self.count_responses_sent();
+        let w = &mut self.sq[i];
         self.tx_pkt = match w.wr {
             // A read resumes at its first missing response.
             WorkRequest::Read { .. } => {

@@ -20,7 +20,7 @@
 //! requests that never ran are re-posted, and ones that ran complete
 //! (an atomic whose answer was lost reports [`Error::Indeterminate`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,6 +42,7 @@ use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::bundle;
+use crate::pending::ByWrId;
 use crate::verbs::{
     CompletionHandler, CompletionQueue, CqWaiter, ProtectionDomain, Provider, ProviderKind,
     QpOptions, QpPeer, QpTimers, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -100,7 +101,7 @@ struct State {
     next_psn: u32,
     next_wr: u64,
     next_recv: u64,
-    pending: BTreeMap<u64, Pending>,
+    pending: ByWrId<Pending>,
     resetting: bool,
     /// Client side of a reset: the new QP and its PSN, until RESET_ACK.
     fresh: Option<(Arc<dyn QueuePair>, u32)>,
@@ -413,7 +414,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
             next_psn: mine.psn,
             next_wr: 1,
             next_recv,
-            pending: BTreeMap::new(),
+            pending: ByWrId::default(),
             resetting: false,
             fresh: None,
             buffered: 0,

@@ -29,6 +29,7 @@ pub mod bundle;
 mod conn;
 pub mod control;
 pub mod hw;
+mod pending;
 pub mod soft;
 mod sys;
 pub mod sysfs;

@@ -389,7 +389,7 @@ t_captures() {
   # rxe <-> rxe: two guests
   net_up tap0 tap1
   mkdir -p "$OUT/pair"
-  rm -f "$OUT/pair/soak-done" "$OUT/pair/cm-done" "$OUT/pair/lossy-done"
+  rm -f "$OUT"/pair/*-at-* "$OUT"/pair/client-done-*
   pair() {
     guest --name a --netns "$NS" --nic tap0=198.18.0.2/24 --rxe --modprobe sch_netem --timeout 900 \
       --rw "$OUT/pair" -- "$HERE/rxe-pair.sh" server 198.18.0.3 "$OUT/pair" > "$OUT/pair-server.log" 2>&1 &

@@ -772,15 +772,20 @@ pub fn parse_i64(v: &[u8]) -> Option<i64> {
     if digits.is_empty() || !(b'1'..=b'9').contains(&digits[0]) {
         return None;
     }
-    let mut n: i128 = 0;
+    // The magnitude in u64 (i64::MIN's fits); 20 digits can overflow it,
+    // and such a number is beyond i64 anyway.
+    let mut n: u64 = 0;
     for &d in digits {
         if !d.is_ascii_digit() {
             return None;
         }
-        n = n * 10 + i128::from(d - b'0');
+        n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
     }
-    let n = if neg { -n } else { n };
-    i64::try_from(n).ok()
+    if neg {
+        0i64.checked_sub_unsigned(n)
+    } else {
+        i64::try_from(n).ok()
+    }
 }
 
 #[cfg(test)]
@@ -954,6 +959,22 @@ mod tests {
         assert_eq!(s.incr(b"m", 1, 0), Err(StoreError::Overflow));
         assert_eq!(parse_i64(b"-9223372036854775808"), Some(i64::MIN));
         assert_eq!(parse_i64(b"9223372036854775808"), None);
+    }
+
+    proptest::proptest! {
+        /// `parse_i64` is Redis's `string2ll`: any i64 written out parses
+        /// back; any text parses exactly when its i128 reading (same
+        /// syntax) is within i64.
+        #[test]
+        fn parse_i64_is_string2ll(n in proptest::prelude::any::<i64>(), t in "-?[0-9]{0,21}|[+ 0-9a]{0,4}") {
+            proptest::prop_assert_eq!(parse_i64(n.to_string().as_bytes()), Some(n));
+            let b = t.as_bytes();
+            let digits = b.strip_prefix(b"-").unwrap_or(b);
+            let syntax = !b.is_empty() && b.len() <= 20 && (b == b"0" || (!digits.is_empty()
+                && (b'1'..=b'9').contains(&digits[0]) && digits.iter().all(u8::is_ascii_digit)));
+            let want = syntax.then(|| t.parse::<i128>().ok()).flatten().and_then(|v| i64::try_from(v).ok());
+            proptest::prop_assert_eq!(parse_i64(b), want);
+        }
     }
 
     /// Far more data than memory: no SET fails, memory never grows, the most

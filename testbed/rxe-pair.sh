@@ -30,6 +30,15 @@ cmds=(
   "rdmx-soak"
   "lossy ib_write_bw -d rxe0 -i 1 -x 1 -F -n 60 -s 1100"
 )
+# client_done SECS: wait up to SECS seconds for the client's verdict on
+# command $idx (its file in the shared directory); false if it is not there
+client_done() {
+  local end=$((SECONDS + $1))
+  until [[ -e $shared/client-done-$idx ]]; do
+    ((SECONDS < end)) || return 1
+    sleep 0.3
+  done
+}
 fails=0
 other=server
 [[ $role == client ]] || other=client
@@ -47,19 +56,19 @@ for idx in "${!cmds[@]}"; do
   if [[ $role == server ]]; then
     rc=1
     deadline=$((SECONDS + 200))
-    while [[ ! -e $shared/client-done-$idx ]] && ((SECONDS < deadline)); do
+    while ! client_done 0 && ((SECONDS < deadline)); do
       if [[ $c == rdmx-soak ]]; then
         # rdmx's server keeps serving: it runs until the client is done
         "$rdmx" soak server --listen "0.0.0.0:7500" --transport rdma &
         srv=$!
-        timeout 180 bash -c "until [ -e $shared/client-done-$idx ]; do sleep 0.3; done"
+        client_done 180
         kill $srv 2>/dev/null
         wait $srv 2>/dev/null
         break
       fi
       timeout 60 $c && rc=0
       # the client says how it ended within seconds of a success
-      timeout 10 bash -c "until [ -e $shared/client-done-$idx ]; do sleep 0.3; done" && break
+      client_done 10 && break
       tries=$((tries + 1))
     done
     # the server's verdict is the client's: a served instance that failed

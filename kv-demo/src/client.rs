@@ -482,20 +482,18 @@ impl Client {
         if path == GetPath::OneSided {
             self.read_remembered(keys, &owners, &mut found).await;
         }
-        // Collected at their exact number first: a GET's future is large,
-        // and `join_all` over an iterator of unknown length (a filter)
-        // grew its list by doubling, copying the futures at every step.
-        let mut rest = Vec::with_capacity(found.iter().filter(|f| f.is_none()).count());
-        rest.extend(
-            keys.iter()
-                .zip(owners)
-                .zip(&found)
-                .filter(|(_, f)| f.is_none())
-                .map(|((k, o), _)| async move {
+        // Collected into a list sized for every key first: a GET's future
+        // is large, and `join_all` over an iterator of unknown length (a
+        // filter) grew its list by doubling, copying the futures each step.
+        let mut rest = Vec::with_capacity(keys.len());
+        for ((k, o), f) in keys.iter().zip(owners).zip(&found) {
+            if f.is_none() {
+                rest.push(async move {
                     let (i, link, h) = o?;
                     self.get_on(i, link, k, h, path).await
-                }),
-        );
+                });
+            }
+        }
         let mut rest = join_all(rest).await.into_iter();
         found
             .into_iter()

@@ -30,7 +30,7 @@ fn number(line: &[u8]) -> Option<i64> {
 }
 
 /// Find `\r\n` in `b`, returning the line before it. Looks for the `\r`
-/// bytes alone (a plain byte loop), which costs half of comparing every
+/// bytes alone (a plain byte loop), which costs less than comparing every
 /// two-byte window.
 fn line(b: &[u8]) -> Option<&[u8]> {
     let mut from = 0;
@@ -75,11 +75,12 @@ pub fn decode(buf: &mut BytesMut, max_bulk: usize) -> Result<Option<Vec<Bytes>>,
         buf.advance(at);
         return Ok(Some(Vec::new()));
     }
+    let count = count as usize;
     // First find where every argument ends (checking each header); consume
     // only a whole request. The first few places are kept on the stack.
     let first = at;
     let mut kept = [(0usize, 0usize); KEPT_SPANS];
-    for i in 0..count as usize {
+    for i in 0..count {
         match bulk_at(buf, at, max_bulk)? {
             Some(span) => {
                 if let Some(k) = kept.get_mut(i) {
@@ -92,9 +93,9 @@ pub fn decode(buf: &mut BytesMut, max_bulk: usize) -> Result<Option<Vec<Bytes>>,
     }
     // Then take them: one allocation per request (the argument list).
     let all = buf.split_to(at).freeze();
-    let mut args = Vec::with_capacity(count as usize);
-    if count as usize <= KEPT_SPANS {
-        args.extend(kept[..count as usize].iter().map(|&(s, e)| all.slice(s..e)));
+    let mut args = Vec::with_capacity(count);
+    if count <= KEPT_SPANS {
+        args.extend(kept[..count].iter().map(|&(s, e)| all.slice(s..e)));
         return Ok(Some(args));
     }
     // A longer request is walked again (the headers passed: this walk

@@ -961,6 +961,36 @@ mod tests {
         assert_eq!(parse_i64(b"9223372036854775808"), None);
     }
 
+    /// `parse_i64` against the cases Redis's own unit test gives
+    /// `string2ll` (src/unit/test_util.c), and the early exits of its
+    /// source (util.c): a lone `-`, `-0`, the empty string, over 20 bytes.
+    /// An independent check of the rules the proptest below restates.
+    #[test]
+    fn parse_i64_matches_redis_string2ll_cases() {
+        let cases: &[(&str, Option<i64>)] = &[
+            ("+1", None),
+            (" 1", None),
+            ("1 ", None),
+            ("01", None),
+            ("-1", Some(-1)),
+            ("0", Some(0)),
+            ("1", Some(1)),
+            ("99", Some(99)),
+            ("-99", Some(-99)),
+            ("-9223372036854775808", Some(i64::MIN)),
+            ("-9223372036854775809", None),
+            ("9223372036854775807", Some(i64::MAX)),
+            ("9223372036854775808", None),
+            ("-", None),
+            ("-0", None),
+            ("", None),
+            ("000000000000000000001", None),
+        ];
+        for &(text, want) in cases {
+            assert_eq!(parse_i64(text.as_bytes()), want, "{text:?}");
+        }
+    }
+
     proptest::proptest! {
         /// `parse_i64` is Redis's `string2ll`: any i64 written out parses
         /// back; any text parses exactly when its i128 reading (same

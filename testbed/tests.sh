@@ -7,6 +7,8 @@
 #   conformance-hw   the conformance suite through the NIC provider on rxe
 #                    (client and server in one process, over the rxe device)
 #   doctor           `rdmx doctor` in a guest reports rxe0, its RoCEv2 GID and port
+#   nic-example      transport-rdma's `nic` example (the NIC provider's user
+#                    guide in code) runs on rxe: every operation it checks passes
 #   soft-hw          host soft engine <-> guest NIC provider on rxe: `rdmx soak`
 #                    (every operation, data checked) and `rdmx perf` (every op,
 #                    0 B..16 MiB), each side as client and as server
@@ -45,6 +47,7 @@
 # Builds it uses (CI makes them; so can you):
 #   cargo build --release -p rdmx-cli --features hw
 #   cargo test -p rdmx-transport-rdma --features hw --test conformance_hw --no-run
+#   cargo build --release -p rdmx-transport-rdma --features hw --example nic
 # Environment: RDMX_TESTBED_DIR (prepared files), RDMX_TESTBED_OUT (logs; a
 # temp dir by default), RDMX_TESTBED_SCALE (bytes of the 16 MiB soaks, 64m).
 set -uo pipefail
@@ -147,6 +150,17 @@ t_doctor() {
   grep -q '^provider a connection would use: hw (rxe0' "$OUT/doctor.log" &&
     grep -q '^rxe0 port 1: 4: ACTIVE, Ethernet, active MTU 1024' "$OUT/doctor.log" &&
     grep -q 'GID\[1\] 198.18.0.2 RoceV2 on eth0' "$OUT/doctor.log"
+}
+
+t_nic-example() {
+  local bin=$ROOT/target/release/examples/nic
+  cargo build -q --release -p rdmx-transport-rdma --features hw --example nic || return 1
+  guest --nic -=198.18.0.2/24 --rxe -c "RDMX_RDMA_DEVICE=rxe0 $bin 198.18.0.2" > "$OUT/nic-example.log" 2>&1
+  local rc=$?
+  cat "$OUT/nic-example.log"
+  # the NIC provider on rxe0 (not the soft engine), and every check passed
+  ((rc == 0)) && grep -q '^provider: rxe0 (QPN' "$OUT/nic-example.log" &&
+    grep -q '^100 messages of 1..100 bytes echoed intact' "$OUT/nic-example.log"
 }
 
 # GUEST_NIC_REPORT: shell for inside a guest after a failed run: its NIC's
@@ -725,7 +739,7 @@ t_nbd() {
   ((fails == 0)) && grep -q '(rdma, soft-roce.*go-back-N' "$OUT/nbd-target-rxe.export"
 }
 
-ALL="conformance-hw doctor soft-hw soft-hw-loss pingpong perftest nvme-tcp nbd captures"
+ALL="conformance-hw doctor nic-example soft-hw soft-hw-loss pingpong perftest nvme-tcp nbd captures"
 TESTS=${*:-$ALL}
 failed=()
 for t in $TESTS; do

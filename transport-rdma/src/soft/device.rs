@@ -18,10 +18,15 @@
 //! DCQCN. Sends are batched with UDP GSO and gathered (headers and ICRC from
 //! a scratch buffer, payloads from where they are: soft/gather.rs), and
 //! receives with GRO and recvmmsg where the kernel has them.
+//!
+//! Here: the device (sockets, receive queues, counters, capture), its
+//! protection domains and QPs. The two tasks are in `device/tasks.rs`, the
+//! datagrams' headers and ICRC sealing in `soft/datagram.rs`, the settings
+//! in `soft/config.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,7 +38,6 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use quinn_udp::{EcnCodepoint, RecvMeta, Transmit, UdpSocketState};
 use rdmx_core::Stats;
 use rdmx_core::{Access, AtomicOp, Domain, Error, LocalSlice, MemoryRegion, Result};
-use rdmx_roce_proto::dcqcn::DcqcnConfig;
 use rdmx_roce_proto::icrc::{self, Ipv4IdSolver};
 use rdmx_roce_proto::memory::{Atomic, MemError, Memory, Need, PayloadSource};
 use rdmx_roce_proto::pcap::CaptureWriter;
@@ -45,12 +49,19 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
+use super::config::{SoftConfig, ROCEV2_PORT};
 use super::cq::SoftCq;
+use super::datagram::{encode, gso_run_end, headers, reseal_icrc, seal_regions, GsoRun, RawTx};
 use super::gather::{self, Batch, Gathered, Payload};
 use crate::verbs::{
     CompletionQueue, PortInfo, ProtectionDomain, Provider, ProviderKind, QpCounters, QpOptions,
     QpPeer, QpState, QueuePair, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
+
+mod tasks;
+
+pub use tasks::on_thread_park;
+use tasks::{count_pumped, pump_touched, receive_batch, rx_loop, timer_loop, RX_BATCH, RX_BUF};
 
 /// Whether a QP's socket (bound to `local`) may be connected to its peer
 /// at `peer` ([`gather::connect`]): only when its datagrams travel as IPv6.
@@ -76,108 +87,6 @@ fn without_rx_timestamps(sock: &std::net::UdpSocket) {
     use nix::sys::socket::{setsockopt, sockopt::ReceiveTimestampns};
     if let Err(e) = setsockopt(sock, ReceiveTimestampns, &false) {
         debug!(error = %e, "soft RoCE: receive timestamps stay on");
-    }
-}
-
-/// The standard RoCEv2 UDP port (IANA; rocev2-reference §1).
-pub const ROCEV2_PORT: u16 = 4791;
-
-/// How a soft device is set up.
-#[derive(Clone, Debug)]
-pub struct SoftConfig {
-    /// Address to receive on (`::` = every address, IPv4 included).
-    pub bind: IpAddr,
-    /// UDP port to receive on; 0 = any free port (the peer learns it at bootstrap).
-    pub port: u16,
-    /// If `port` is taken (another process runs a soft device), use a free port
-    /// instead of failing. Peers learn the port at bootstrap; real NICs need 4791.
-    pub port_fallback: bool,
-    /// Path MTU offered (256..=4096).
-    pub mtu: u32,
-    /// Mark data packets ECT(0) so switches can set CE instead of dropping.
-    pub ecn: bool,
-    /// DCQCN for the sender (`None`: no rate limiting; CNPs are still sent).
-    pub dcqcn: Option<DcqcnConfig>,
-    /// Offer selective repeat to rdmx peers (NIC peers always get go-back-N).
-    pub selective_repeat: bool,
-    /// Socket receive buffer to ask for (the kernel caps it at `net.core.rmem_max`).
-    pub recv_buffer: usize,
-    /// Receive queues (sockets sharing the port; packets steered by QPN).
-    pub rx_queues: usize,
-    /// Unacknowledged packets a QP may have in flight under selective repeat
-    /// (1024 × 4 KiB = 4 MiB on loopback; also the chunk of responses one
-    /// READ request asks for). At 1 MiB (256) a lone QP's writes were held
-    /// to a window per round trip: 1 MiB writes, 16 in flight, on loopback
-    /// went 2.1 -> 4.0 GB/s at 1024.
-    pub window: u32,
-    /// The same under go-back-N (NIC peers, and rdmx peers that do not
-    /// agree to selective repeat): a loss there resends everything after
-    /// it, so a smaller window keeps each loss cheaper (1% and 5% loss
-    /// through a veth: 103 and 26 MB/s at 256 against 84 and 10 at 1024).
-    pub window_go_back_n: u32,
-    /// The retransmission timer's floor as an exponent (8: 1 ms); above it
-    /// the timer follows the measured round trip, doubles per timeout, and
-    /// stops at the agreed ACK timeout (or 64 × this): a software path
-    /// recovers a lost last packet faster than a NIC's default would, a slow
-    /// peer (rxe in a VM) is not asked twice for what it is still sending,
-    /// and still gets the agreed timeout × retry count ([`Qp::set_fast_timeout`]).
-    /// While a QP has seen no NAK and resent nothing for 100 ms, this timer
-    /// and selective repeat's tail probe run up to 1 ms late: they almost
-    /// never fire then, and waking for each of them cost a thread hand-off
-    /// per operation.
-    pub max_ack_timeout: u8,
-    /// Exact IPv4 ICRCs for NIC peers: send IPv4 through a raw socket with our
-    /// own header (needs CAP_NET_RAW; no GSO batching). Without it the kernel
-    /// picks the IPv4 Identification after the ICRC was computed (with 0): rdmx
-    /// receivers recover it, NICs would drop the packet. IPv6 is always exact.
-    /// Default: on if `RDMX_SOFT_EXACT_IPV4=1`.
-    pub exact_ipv4: bool,
-    /// Send each datagram from its pieces (headers and trailer from a
-    /// scratch buffer, payload from where the engine holds it) in one
-    /// `sendmsg` per GSO run, instead of copying it into one buffer first
-    /// (soft/gather.rs). Either way the bytes on the wire are the same; a
-    /// kernel that refuses the gathered form gets the other from then on.
-    /// Default: on unless `RDMX_SOFT_GATHER=0`.
-    pub gathered_sends: bool,
-    /// How long the ACK of a delivered message may wait for the answer the
-    /// application sends back, to leave right behind it in the same send
-    /// (0: never waits; see `QpConfig::ack_hold_ns`). It waits only while
-    /// the application answers what it receives within this time, and in
-    /// practice far less: the receive task that took the message lets a held
-    /// ACK go once its scheduler tick is over (the application it woke runs
-    /// in that tick on the same thread), answered or not. A ping-pong of
-    /// sends then costs two send calls per round trip instead of four. On
-    /// a multi-thread runtime this needs the workers to call
-    /// [`on_thread_park`] (`Builder::on_thread_park`); without it the ACKs
-    /// leave at the end of the receive pass, as with 0.
-    /// Default: 500 µs, or `RDMX_SOFT_ACK_HOLD_US` microseconds.
-    pub ack_hold: Duration,
-}
-
-impl Default for SoftConfig {
-    fn default() -> Self {
-        SoftConfig {
-            bind: IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-            port: ROCEV2_PORT,
-            port_fallback: true,
-            mtu: 4096,
-            ecn: true,
-            dcqcn: Some(DcqcnConfig::default()),
-            selective_repeat: true,
-            recv_buffer: 16 << 20,
-            rx_queues: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
-            window: 1024,
-            window_go_back_n: 256,
-            max_ack_timeout: 8,
-            exact_ipv4: std::env::var("RDMX_SOFT_EXACT_IPV4").is_ok_and(|v| v == "1"),
-            gathered_sends: std::env::var("RDMX_SOFT_GATHER").map_or(true, |v| v != "0"),
-            ack_hold: Duration::from_micros(
-                std::env::var("RDMX_SOFT_ACK_HOLD_US")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(500),
-            ),
-        }
     }
 }
 
@@ -404,12 +313,12 @@ struct RxQueue {
     state: UdpSocketState,
     /// The receive side's buffers, taken by whoever receives: the queue's
     /// receive task, or the timer task draining the socket before it
-    /// declares a peer silent (see [`drain_before_timers`]). One at a time,
+    /// declares a peer silent (see `tasks::drain_before_timers`). One at a time,
     /// so datagrams reach the engine in the order the socket gave them.
     work: Mutex<RxWork>,
     /// Held for a whole receive pass of the queue's task or the timer's:
     /// the batch (under `work`) and the pumping of the QPs it touched
-    /// (with `work` let go, see [`receive_pass`]). The timer task waits
+    /// (with `work` let go, see `tasks::receive_pass`). The timer task waits
     /// for it before it declares a peer silent: an answer taken but not yet
     /// pumped on (the ACK a loopback peer sends for a write it has just
     /// applied) is not in any socket yet.
@@ -971,203 +880,6 @@ fn work_completion(qpn: u32, c: Completion) -> WorkCompletion {
         data: c.data,
         imm: c.imm,
         atomic_orig: c.atomic_orig,
-    }
-}
-
-/// The IP and UDP headers a packet travels with, as the ICRC sees them
-/// (rocev2-reference §9). IPv4: Identification 0 and DF; a UDP socket cannot
-/// choose the Identification, so receivers recover it ([`Ipv4IdSolver`]).
-fn headers(src: SocketAddr, dst: SocketAddr, udp_len: usize, id: u16) -> (IpHeader, [u8; 8]) {
-    let mut ip = IpHeader {
-        bytes: [0u8; 40],
-        len: 40,
-    };
-    match (src.ip(), dst.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            ip.len = 20;
-            let h = &mut ip.bytes;
-            h[0] = 0x45;
-            h[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
-            h[4..6].copy_from_slice(&id.to_be_bytes());
-            h[6] = 0x40;
-            h[8] = 64;
-            h[9] = 17;
-            h[12..16].copy_from_slice(&s.octets());
-            h[16..20].copy_from_slice(&d.octets());
-        }
-        (s, d) => {
-            let v6 = |a: IpAddr| match a {
-                IpAddr::V6(a) => a,
-                IpAddr::V4(a) => a.to_ipv6_mapped(),
-            };
-            let h = &mut ip.bytes;
-            h[0] = 0x60;
-            h[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-            h[6] = 17;
-            h[7] = 64;
-            h[8..24].copy_from_slice(&v6(s).octets());
-            h[24..40].copy_from_slice(&v6(d).octets());
-        }
-    }
-    let mut udp = [0u8; 8];
-    udp[0..2].copy_from_slice(&src.port().to_be_bytes());
-    udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
-    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-    (ip, udp)
-}
-
-/// An IPv4 (20 B) or IPv6 (40 B) header built on the stack.
-struct IpHeader {
-    bytes: [u8; 40],
-    len: usize,
-}
-
-impl std::ops::Deref for IpHeader {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.bytes[..self.len]
-    }
-}
-
-/// Where the GSO run starting at `segs[i]` ends (exclusive): datagrams of
-/// equal size, and one shorter last one (what `UDP_SEGMENT` sends in one call).
-fn gso_run_end(segs: &[usize], i: usize) -> usize {
-    let size = segs[i];
-    let mut j = i + 1;
-    while j < segs.len() && segs[j] == size {
-        j += 1;
-    }
-    if j < segs.len() && segs[j] < size {
-        j += 1;
-    }
-    j
-}
-
-/// The IPv4 Identification Linux gives each datagram of a batch sent from an
-/// unconnected UDP socket with DF (`IP_PMTUDISC_PROBE` or `_DO`): 0 for a
-/// datagram sent alone, and 0, 1, 2… for the segments of one GSO send
-/// (`ip_select_ident_segs`, then `inet_gso_segment` numbering the segments).
-/// Knowing it before sending, the ICRC over it is exact with no raw socket.
-/// The runs follow [`gso_run_end`].
-#[derive(Debug, Default)]
-struct GsoRun {
-    /// Size of the run's datagrams (0: no run yet).
-    size: usize,
-    /// Datagrams in the run so far.
-    count: u16,
-    /// A shorter datagram ended the run.
-    closed: bool,
-}
-
-impl GsoRun {
-    /// The Identification of the next datagram, of `size` bytes.
-    fn next_id(&mut self, size: usize) -> u16 {
-        let joins = self.count > 0 && !self.closed && size <= self.size;
-        if !joins {
-            *self = GsoRun {
-                size,
-                count: 0,
-                closed: false,
-            };
-        }
-        self.closed = size < self.size;
-        let id = self.count;
-        self.count += 1;
-        id
-    }
-}
-
-/// Write the ICRC into the last 4 bytes of RoCEv2 UDP payload `d` (BTH …
-/// pad, ICRC), computed for IPv4 Identification `id` (rocev2-reference §9).
-fn reseal_icrc(d: &mut [u8], src: SocketAddr, dst: SocketAddr, id: u16) {
-    let n = d.len() - 4;
-    let (ip, udp) = headers(src, dst, 8 + d.len(), id);
-    let crc = icrc::compute(&ip, &udp, &d[..n]);
-    d[n..].copy_from_slice(&crc.to_le_bytes());
-}
-
-/// Write the ICRCs of the batch's region payloads (`unsealed`: index in
-/// `grams` and IP Identification), read under `held`, into their trailers
-/// in `out` (rocev2-reference §2: the ICRC covers the masked IP and UDP
-/// headers, BTH … pad).
-fn seal_regions(
-    out: &mut [u8],
-    grams: &[Gathered],
-    held: &[gather::Held<'_>],
-    unsealed: &[(usize, u16)],
-    src: SocketAddr,
-    dst: SocketAddr,
-) {
-    for &(k, id) in unsealed {
-        let g = &grams[k];
-        let (ip, udp) = headers(src, dst, 8 + g.len(), id);
-        let t = g.at + g.headers;
-        let pad = &out[t..t + g.trailer - 4];
-        let crc = icrc::compute_parts(&ip, &udp, &[&out[g.at..t], g.payload(&held[k]), pad]);
-        out[t + g.trailer - 4..t + g.trailer].copy_from_slice(&crc.to_le_bytes());
-    }
-}
-
-/// Append `pkt` as a RoCEv2 UDP payload (BTH … pad, ICRC) to `out`, its ICRC
-/// computed for an IPv4 Identification of `id`.
-fn encode(pkt: &Packet, src: SocketAddr, dst: SocketAddr, id: u16, out: &mut Vec<u8>) {
-    let start = out.len();
-    pkt.encode(out);
-    out.extend_from_slice(&[0; 4]);
-    reseal_icrc(&mut out[start..], src, dst, id);
-}
-
-/// Exact IPv4 sending: our own IP header through a raw socket (IPPROTO_RAW,
-/// send-only, header included), so the Identification the ICRC covers is the
-/// one on the wire. Needs CAP_NET_RAW.
-struct RawTx {
-    sock: socket2::Socket,
-    next_id: std::sync::atomic::AtomicU16,
-}
-
-impl RawTx {
-    fn new() -> io::Result<RawTx> {
-        let sock = socket2::Socket::new(
-            socket2::Domain::IPV4,
-            socket2::Type::RAW,
-            Some(socket2::Protocol::from(libc::IPPROTO_RAW)),
-        )?;
-        sock.set_nonblocking(true)?;
-        Ok(RawTx {
-            sock,
-            next_id: std::sync::atomic::AtomicU16::new(rand::random::<u16>() | 1),
-        })
-    }
-
-    /// A nonzero Identification (the kernel replaces 0 with its own).
-    fn id(&self) -> u16 {
-        loop {
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            if id != 0 {
-                return id;
-            }
-        }
-    }
-
-    /// Send one RoCEv2 UDP payload (BTH … ICRC) with header Identification `id`.
-    fn send(
-        &self,
-        src: SocketAddr,
-        dst: SocketAddr,
-        id: u16,
-        ecn: u8,
-        payload: &[u8],
-    ) -> io::Result<()> {
-        let (mut ip, udp) = headers(src, dst, 8 + payload.len(), id);
-        ip.bytes[1] = ecn & 3;
-        let sum = rdmx_roce_proto::wire::ipv4_checksum(&ip);
-        ip.bytes[10..12].copy_from_slice(&sum.to_be_bytes());
-        let mut d = Vec::with_capacity(28 + payload.len());
-        d.extend_from_slice(&ip);
-        d.extend_from_slice(&udp);
-        d.extend_from_slice(payload);
-        let to = SocketAddr::new(dst.ip(), 0);
-        self.sock.send_to(&d, &to.into()).map(|_| ())
     }
 }
 
@@ -1962,385 +1674,6 @@ impl QueuePair for SoftQpHandle {
     }
 }
 
-const RX_BATCH: usize = 32;
-const RX_BUF: usize = 64 * 1024;
-
-/// Receive loop: GRO/recvmmsg batches → verify ICRC → engine → pump touched QPs.
-async fn rx_loop(d: Arc<Device>, queue: usize) {
-    let rx = &d.rx[queue];
-    loop {
-        let Ok(mut ready) = rx.sock.readable().await else {
-            return;
-        };
-        loop {
-            // The queue's lock is let go before the QPs are pumped: a QP
-            // whose pump sends a long burst (a READ's responses, milliseconds
-            // through a veth) then takes what arrives meanwhile from this
-            // queue between its sends (`listen_while_sending`), instead of
-            // leaving it unread until the burst ends (the peer's re-asks of
-            // lost responses waited behind whole READs: 5% loss, 16 READs of
-            // 1 MiB, a twentieth of the lossless rate).
-            match receive_pass(&d, rx, Taker::Task) {
-                Ok((n, held)) => {
-                    // After every batch, not once the socket is empty: a
-                    // stream of full batches would hold the ACKs for as long
-                    // as it lasts.
-                    release_held_acks(&d, held).await;
-                    // A short batch emptied the socket. Readiness is cleared
-                    // only if no datagram was reported since `readable`
-                    // returned (tokio compares the event's tick), so none
-                    // waits unseen.
-                    if n < RX_BATCH {
-                        ready.clear_ready();
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    ready.clear_ready();
-                    break;
-                }
-                Err(e) => {
-                    debug!("soft RoCE receive: {e}");
-                    break;
-                }
-            }
-        }
-    }
-}
-
-/// The ACKs this receive task held for the applications' answers leave
-/// once its scheduler tick is over. An application woken by a delivery runs
-/// on this thread right after this task, and what it sends back carries the
-/// ACK behind it in the same GSO send (one `sendmsg`, not two, and one
-/// wake-up of the peer's receiver); one that has not answered by then gets
-/// its ACK alone. IBTA lets a responder coalesce ACKs (9.7.5.1.3); the wait
-/// is one tick, far below any ACK timeout.
-///
-/// The tick is over when the worker thread runs out of tasks: on a runtime
-/// that calls [`on_thread_park`] (`Builder::on_thread_park`) the held ACKs
-/// wait in a list of the thread's, released there (or when this task comes
-/// back to the thread with more, if the thread never ran out of work). On a
-/// current-thread runtime this task yields once and releases them when it
-/// runs again. On other runtimes they leave at once: there the yield costs
-/// wake-ups (tokio puts the yielded task next to what the worker's I/O poll
-/// woke, and hands one of the two to an idle worker; 8 B send round trips
-/// took 47-54 µs instead of 35-39 on two workers).
-async fn release_held_acks(d: &Device, held: Vec<Arc<SoftQp>>) {
-    if held.is_empty() {
-        return;
-    }
-    if PARK_HOOK.with(|h| h.get()) {
-        let earlier = PARKED_HELD.with(|h| {
-            let mut h = h.borrow_mut();
-            let earlier: Vec<_> = h
-                .drain(..)
-                .filter(|q| !held.iter().any(|n| Arc::ptr_eq(n, q)))
-                .collect();
-            h.extend(held);
-            earlier
-        });
-        release(&earlier);
-        return;
-    }
-    if d.handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
-        tokio::task::yield_now().await;
-    }
-    release(&held);
-}
-
-/// Send the ACKs of `held` that still wait (their answer did not come).
-fn release(held: &[Arc<SoftQp>]) {
-    for qp in held {
-        if qp.inner.lock().qp.ack_held() {
-            qp.dev
-                .counters
-                .acks_released
-                .fetch_add(1, Ordering::Relaxed);
-            qp.pump_inline();
-        }
-    }
-}
-
-thread_local! {
-    /// ACKs receive tasks on this thread hold until it parks.
-    static PARKED_HELD: std::cell::RefCell<Vec<Arc<SoftQp>>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-    /// This worker thread calls [`on_thread_park`] when it runs out of tasks.
-    static PARK_HOOK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// For `tokio::runtime::Builder::on_thread_park`: the soft RoCE receive
-/// tasks on this worker hold the ACKs of what they delivered until the
-/// worker runs out of tasks, so the answers the applications send carry
-/// them (see `SoftConfig::ack_hold`); this sends those still waiting.
-/// Without it, on a runtime of several workers the ACKs are not held (a
-/// yield in their place costs wake-ups); the `rdmx` command line installs it.
-pub fn on_thread_park() {
-    PARK_HOOK.with(|h| h.set(true));
-    let held = PARKED_HELD.with(|h| std::mem::take(&mut *h.borrow_mut()));
-    release(&held);
-}
-
-/// One receive call on `rx` (up to [`RX_BATCH`] datagrams, GRO runs split),
-/// each datagram verified and given to its QP. Returns how many receive
-/// slots were filled and the QPs the datagrams went to, for
-/// [`pump_touched`] (once the caller lets the queue go, or at once).
-fn receive_batch(
-    d: &Arc<Device>,
-    rx: &RxQueue,
-    w: &mut RxWork,
-) -> io::Result<(usize, Vec<Arc<SoftQp>>)> {
-    let RxWork {
-        bufs,
-        metas,
-        solver,
-    } = w;
-    let n = {
-        let mut iovs: Vec<IoSliceMut<'_>> = bufs
-            .iter_mut()
-            .map(|b| IoSliceMut::new(&mut b[..]))
-            .collect();
-        rx.state.recv(rx.sock.get_ref().into(), &mut iovs, metas)?
-    };
-    let now = d.now();
-    let mut touched = Vec::new();
-    for (meta, slot) in metas.iter().zip(bufs.iter_mut()).take(n) {
-        // The engine gets each datagram as a slice of the buffer (no copy
-        // before it applies the payload), then the buffer goes back to its
-        // slot, unless something kept a slice of it: then the slot gets a
-        // fresh one.
-        let full = std::mem::take(slot).freeze();
-        let stride = meta.stride.max(1);
-        let mut at = 0;
-        while at < meta.len {
-            let end = (at + stride).min(meta.len);
-            let dgram = full.slice(at..end);
-            handle_datagram(d, solver, now, meta, &dgram, &mut touched);
-            at = end;
-        }
-        *slot = full
-            .try_into_mut()
-            .unwrap_or_else(|_| BytesMut::zeroed(RX_BUF));
-    }
-    Ok((n, touched))
-}
-
-/// One receive pass on `rx`, under its `pass` lock: a batch taken under the
-/// queue's `work` lock, then the QPs it touched pumped with `work` let go.
-/// Returns how many receive slots were filled and the QPs whose ACK is held
-/// for the application's answer (see [`pump_touched`]).
-fn receive_pass(
-    d: &Arc<Device>,
-    rx: &RxQueue,
-    taker: Taker<'_>,
-) -> io::Result<(usize, Vec<Arc<SoftQp>>)> {
-    let _pass = rx.pass.lock();
-    let batch = receive_batch(d, rx, &mut rx.work.lock());
-    let (n, touched) = batch?;
-    #[cfg(test)]
-    if matches!(taker, Taker::Task) && n > 0 {
-        std::thread::sleep(Duration::from_millis(
-            d.pump_delay_ms.load(Ordering::Relaxed),
-        ));
-    }
-    let held = pump_touched(d, touched, taker);
-    count_pumped(d, n);
-    Ok((n, held))
-}
-
-/// Count a batch of `n` taken packets once the QPs it touched are pumped:
-/// what [`drain_before_timers`] watches to know a pass saw everything.
-fn count_pumped(d: &Device, n: usize) {
-    if n > 0 {
-        d.rx_batches_pumped.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-/// Pump the QPs a receive batch touched (the receive queue's lock let go).
-/// Returns the QPs whose ACK a receive task's pass held for the
-/// application's answer (released when its scheduler tick is over, see
-/// [`rx_loop`]).
-fn pump_touched(d: &Device, touched: Vec<Arc<SoftQp>>, taker: Taker<'_>) -> Vec<Arc<SoftQp>> {
-    let mut held: Vec<Arc<SoftQp>> = Vec::new();
-    for qp in touched {
-        match taker {
-            // From a QP's own burst: it sends on (and publishes) itself,
-            // the ACK behind its next request or after its last.
-            Taker::Burst(s) if Arc::ptr_eq(s, &qp) => {}
-            Taker::Burst(_) => qp.pump(),
-            Taker::Timer => qp.pump_inline(),
-            Taker::Task => {
-                if qp.pump_inline_holding() && !held.iter().any(|h| Arc::ptr_eq(h, &qp)) {
-                    d.counters.acks_held.fetch_add(1, Ordering::Relaxed);
-                    held.push(qp);
-                }
-            }
-        }
-    }
-    held
-}
-
-/// Before timers fire: take what waits in the receive sockets. A sender
-/// whose burst kept its thread in `sendmsg` for milliseconds (a 1 MiB write
-/// through a veth, on a VM with two cores) has the peer's ACKs queued
-/// unread when its timer task runs next; without this the retransmission
-/// timer or a tail probe fired on a peer that had answered, and a lossless
-/// 256 MiB soak resent about 80 operations' first packets for nothing. The
-/// sockets are read until a pass over all of them finds nothing (what the
-/// packets taken cause to be sent on a loopback path is back in one of them
-/// at once, possibly one already read), up to [`DRAIN_BATCHES`] calls.
-///
-/// A queue its receive task is working on is waited for, not skipped: on
-/// two busy cores that task can lose its core in the middle of a batch,
-/// with the answers it has taken not yet applied, for milliseconds; the
-/// timers fired meanwhile asked a READ's whole range again while its
-/// responses were arriving (a lossless 256 MiB soak had 5-24 timer
-/// expiries, with the wait 0-8). The timer task holds no lock while it
-/// waits.
-fn drain_before_timers(d: &Arc<Device>) {
-    let mut calls = 0;
-    // Whole passes over the queues until one in which nobody (this task, or a
-    // receive task it waited for) finished a batch that took packets: what a
-    // packet taken from one queue causes to be sent (a loopback peer's ACK)
-    // can land in a queue the pass has already emptied. Batches are counted
-    // once pumped, not packets once taken: a receive task that took the
-    // peer's write before this pass began may send its ACK, to a queue
-    // already passed, only while this pass waits for its queue.
-    while calls < DRAIN_BATCHES {
-        let seen = d.rx_batches_pumped.load(Ordering::SeqCst);
-        for rx in &d.rx {
-            while calls < DRAIN_BATCHES {
-                calls += 1;
-                if !matches!(receive_pass(d, rx, Taker::Timer), Ok((n, _)) if n > 0) {
-                    break;
-                }
-            }
-        }
-        if d.rx_batches_pumped.load(Ordering::SeqCst) == seen {
-            break;
-        }
-    }
-}
-
-/// Receive calls a timer pass makes at most (over all queues) before it fires.
-const DRAIN_BATCHES: usize = 32;
-
-fn handle_datagram(
-    d: &Arc<Device>,
-    solver: &mut Ipv4IdSolver,
-    now: u64,
-    meta: &RecvMeta,
-    dgram: &Bytes,
-    touched: &mut Vec<Arc<SoftQp>>,
-) {
-    let c = &d.counters;
-    c.rx_packets.fetch_add(1, Ordering::Relaxed);
-    c.rx_bytes.fetch_add(dgram.len() as u64, Ordering::Relaxed);
-    if dgram.len() < 16 {
-        c.malformed.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    let (t, crc) = dgram.split_at(dgram.len() - 4);
-    let wire = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
-    let from = SocketAddr::new(meta.addr.ip().to_canonical(), meta.addr.port());
-    let to_ip = meta
-        .dst_ip
-        .map(|a| a.to_canonical())
-        .unwrap_or_else(|| d.cfg.bind.to_canonical());
-    let to = SocketAddr::new(to_ip, d.port);
-    // ICRC first: a packet that fails it is dropped and counted, never acted on
-    // (rocev2-reference §9).
-    let (ip, udp) = headers(from, to, dgram.len() + 8, 0);
-    let ok = if from.is_ipv4() && to.is_ipv4() {
-        solver.solve(&ip, &udp, t, wire).is_some()
-    } else {
-        icrc::compute(&ip, &udp, t) == wire
-    };
-    if !ok {
-        c.icrc_errors.fetch_add(1, Ordering::Relaxed);
-        return;
-    }
-    let pkt = match Packet::decode_shared(&dgram.slice(..t.len())) {
-        Ok(p) => p,
-        Err(_) => {
-            c.malformed.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-    };
-    let ce = meta.ecn == Some(EcnCodepoint::Ce);
-    if ce {
-        c.ce_marked.fetch_add(1, Ordering::Relaxed);
-    }
-    let qpn = pkt.bth.dest_qp;
-    if let Some(qp) = touched.iter().find(|q| q.qpn == qpn) {
-        qp.receive(now, from, &pkt, ce);
-        return;
-    }
-    let Some(qp) = d.qps.read().get(&qpn).cloned() else {
-        c.unknown_qp.fetch_add(1, Ordering::Relaxed);
-        return;
-    };
-    qp.receive(now, from, &pkt, ce);
-    touched.push(qp);
-}
-
-/// Timer loop: ACK timeouts, RNR waits and DCQCN pacing of every QP.
-async fn timer_loop(d: Arc<Device>) {
-    loop {
-        d.counters.timer_passes.fetch_add(1, Ordering::Relaxed);
-        // Reset before the scan, so that a deadline it misses wakes us
-        // (soft/timer.rs).
-        d.timer_target.begin_scan();
-        let qps: Vec<Arc<SoftQp>> = d.qps.read().values().cloned().collect();
-        if qps
-            .iter()
-            .any(|qp| qp.deadline.load(Ordering::SeqCst) <= d.now())
-        {
-            drain_before_timers(&d);
-        }
-        let now = d.now();
-        let mut next = u64::MAX;
-        for qp in qps {
-            if qp.deadline.load(Ordering::SeqCst) <= now {
-                qp.on_timer(now);
-            }
-            next = next.min(qp.deadline.load(Ordering::SeqCst));
-        }
-        let next = d.timer_target.end_scan(next);
-        let sleep = (next != u64::MAX).then(|| d.epoch + Duration::from_nanos(next));
-        // The timerfd is armed again only for an earlier instant than it is
-        // armed for: one armed earlier than needed (the deadline it was
-        // armed for went away, or moved later) just fires into a scan that
-        // re-arms it. A deadline per operation (its ACK timeout) would
-        // otherwise cost a system call per operation.
-        // The timerfd when this task (or a QP since) could arm it; tokio's
-        // millisecond timer where there is none, or arming failed.
-        let precise = d.precise.as_ref().filter(|p| match sleep {
-            Some(t) => p
-                .arm_by(t)
-                .inspect_err(|e| debug!("soft RoCE timerfd: {e}"))
-                .is_ok(),
-            None => true,
-        });
-        let wait = async {
-            match (precise, sleep) {
-                (Some(p), _) => {
-                    if let Err(e) = p.fired().await {
-                        debug!("soft RoCE timerfd: {e}");
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                }
-                (None, Some(t)) => tokio::time::sleep_until(t.into()).await,
-                (None, None) => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = wait => {}
-            _ = d.timer.notified() => {}
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2500,45 +1833,6 @@ mod tests {
         );
     }
 
-    /// The Identifications the ICRCs are computed with are those the kernel
-    /// gives: the index of each datagram in the GSO send that carries it.
-    #[test]
-    fn gso_ids_follow_the_runs_send_batch_makes() {
-        let mut seed = 0x9e37_79b9_u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        for _ in 0..2000 {
-            let n = 1 + (next() % 40) as usize;
-            // Few distinct sizes, so that runs, shorter tails and restarts all occur.
-            let segs: Vec<usize> = (0..n)
-                .map(|_| [1100, 1100, 1100, 60, 300, 1100][(next() % 6) as usize])
-                .collect();
-            let mut run = GsoRun::default();
-            let ids: Vec<u16> = segs.iter().map(|&s| run.next_id(s)).collect();
-            let mut want = Vec::new();
-            let mut i = 0;
-            while i < segs.len() {
-                let j = gso_run_end(&segs, i);
-                want.extend((0..(j - i) as u16).collect::<Vec<_>>());
-                i = j;
-            }
-            assert_eq!(ids, want, "sizes {segs:?}");
-        }
-        // The plain cases, spelled out.
-        let ids = |s: &[usize]| {
-            let mut r = GsoRun::default();
-            s.iter().map(|&x| r.next_id(x)).collect::<Vec<_>>()
-        };
-        assert_eq!(ids(&[1100, 1100, 1100]), [0, 1, 2]);
-        assert_eq!(ids(&[1100, 1100, 60, 1100]), [0, 1, 2, 0]);
-        assert_eq!(ids(&[60, 1100, 1100]), [0, 0, 1]);
-        assert_eq!(ids(&[1100, 60, 60]), [0, 1, 0]);
-    }
-
     /// A receive task that lost its core in the middle of a batch (here: its
     /// queues' work held by another thread for 30 ms, far past the 1 ms
     /// timer floor) holds the answer to a write unread; the timer task
@@ -2626,23 +1920,5 @@ mod tests {
         );
         assert_eq!(after.tail_probes, before.tail_probes, "{after:?}");
         assert_eq!(after.retransmits, before.retransmits, "{after:?}");
-    }
-
-    #[test]
-    fn resealed_icrc_is_the_one_for_that_identification() {
-        let src: SocketAddr = "198.18.0.1:50000".parse().unwrap();
-        let dst: SocketAddr = "198.18.0.2:4791".parse().unwrap();
-        let body: Vec<u8> = (0..64u8).collect();
-        let seal = |id: u16| {
-            let mut d = body.clone();
-            let (ip, udp) = headers(src, dst, 8 + d.len() + 4, id);
-            let crc = icrc::compute(&ip, &udp, &d);
-            d.extend_from_slice(&crc.to_le_bytes());
-            d
-        };
-        let mut d = seal(3);
-        assert_ne!(d, seal(0));
-        reseal_icrc(&mut d, src, dst, 0);
-        assert_eq!(d, seal(0));
     }
 }

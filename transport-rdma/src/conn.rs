@@ -266,8 +266,9 @@ pub(crate) struct Shared {
     is_dead: AtomicBool,
     stop: Notify,
     /// Held while completions are polled and handed out (keeps them in order
-    /// when a provider task and the drive task both take them).
-    dispatching: Mutex<()>,
+    /// when a provider task and the drive task both take them); the list
+    /// they are polled into, empty between turns, so a turn allocates nothing.
+    dispatching: Mutex<Vec<WorkCompletion>>,
 }
 
 impl CompletionHandler for Shared {
@@ -633,8 +634,7 @@ impl Shared {
 
     /// Collect completions already queued (flushes of the old QP) before settling.
     fn drain_cq(&self) {
-        let _turn = self.dispatching.lock();
-        let mut wcs = Vec::new();
+        let mut wcs = self.dispatching.lock();
         while self.cq.poll(&mut wcs, 256) > 0 {
             for wc in wcs.drain(..) {
                 self.on_completion(wc);
@@ -647,9 +647,8 @@ impl Shared {
     /// (which looks again once done, so none is left behind), or with
     /// `wait`, waits for its turn (the drive task: it would only come back).
     fn dispatch(&self, wait: bool) {
-        let mut wcs = Vec::with_capacity(64);
         loop {
-            let turn = if wait {
+            let mut wcs = if wait {
                 self.dispatching.lock()
             } else {
                 match self.dispatching.try_lock() {
@@ -662,7 +661,7 @@ impl Shared {
                     self.on_completion(wc);
                 }
             }
-            drop(turn);
+            drop(wcs);
             if self.cq.pending().unwrap_or(0) == 0 {
                 return;
             }

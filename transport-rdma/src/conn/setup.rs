@@ -169,7 +169,7 @@ pub(crate) async fn start(s: Setup) -> Result<RdmaConnection> {
         dead: Mutex::new(None),
         is_dead: AtomicBool::new(false),
         stop: Notify::new(),
-        dispatching: Mutex::new(()),
+        dispatching: Mutex::new(Vec::with_capacity(64)),
     });
     // An in-process provider (soft RoCE) hands completions over in the task
     // that produced them; a NIC's, or a busy-polling waiter's, come through

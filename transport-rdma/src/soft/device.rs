@@ -63,7 +63,7 @@ mod tasks;
 
 use qp::*;
 pub use tasks::on_thread_park;
-use tasks::{count_pumped, pump_touched, receive_batch, rx_loop, timer_loop, RX_BATCH, RX_BUF};
+use tasks::{count_pumped, pump_touched, receive_batch, rx_loop, rx_slot, timer_loop, RX_BATCH};
 
 /// Whether a QP's socket (bound to `local`) may be connected to its peer
 /// at `peer` ([`gather::connect`]): only when its datagrams travel as IPv6.
@@ -337,7 +337,7 @@ struct RxWork {
 impl RxWork {
     fn new() -> RxWork {
         RxWork {
-            bufs: (0..RX_BATCH).map(|_| BytesMut::zeroed(RX_BUF)).collect(),
+            bufs: (0..RX_BATCH).map(|_| rx_slot()).collect(),
             metas: vec![RecvMeta::default(); RX_BATCH],
             solver: Ipv4IdSolver::new(),
         }

@@ -12,6 +12,7 @@ use std::net::UdpSocket;
 
 use bytes::Bytes;
 use rdmx_core::{LocalSlice, RegionReadGuard};
+use smallvec::SmallVec;
 
 /// Where a datagram's payload is.
 #[derive(Debug)]
@@ -120,8 +121,43 @@ impl<'a, 'g> Batch<'a, 'g> {
 }
 
 /// Lock what `datagrams` need to be read ([`Gathered::lock`]), one entry each.
-pub(crate) fn lock_all(datagrams: &[Gathered]) -> Vec<Held<'_>> {
+pub(crate) fn lock_all(datagrams: &[Gathered]) -> SmallVec<[Held<'_>; 8]> {
     datagrams.iter().map(Gathered::lock).collect()
+}
+
+/// The pieces of one send's datagrams (three at most each: headers,
+/// payload, trailer), on the stack for a send of up to four datagrams.
+type Iovs<'a> = SmallVec<[IoSlice<'a>; 12]>;
+
+/// The control messages of one send, on the stack (two at most: 48 bytes
+/// on 64-bit Linux). The kernel copies them into an aligned buffer of its
+/// own before reading them (`____sys_sendmsg`), so this one needs no
+/// alignment.
+struct Control {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Control {
+    fn new() -> Control {
+        Control {
+            buf: [0; 64],
+            len: 0,
+        }
+    }
+
+    /// Append `bytes`, then `pad` zero bytes (the buffer starts zeroed).
+    fn put(&mut self, bytes: &[u8], pad: usize) {
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len() + pad;
+    }
+}
+
+impl std::ops::Deref for Control {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
 }
 
 /// `UDP_SEGMENT` (linux/udp.h): the GSO segment size of one send.
@@ -133,25 +169,22 @@ const ECT0: libc::c_int = 2;
 /// cmsghdr of include/linux/socket.h: a `size_t` length counting header and
 /// data, level and type as ints, then the data, padded to the alignment of
 /// `size_t`); returns the bytes it takes.
-fn put_cmsg(out: &mut Vec<u8>, level: libc::c_int, kind: libc::c_int, data: &[u8]) {
+fn put_cmsg(out: &mut Control, level: libc::c_int, kind: libc::c_int, data: &[u8]) {
     const ALIGN: usize = std::mem::size_of::<usize>();
     const HEADER: usize = (ALIGN + 8).div_ceil(ALIGN) * ALIGN;
     let len = HEADER + data.len();
-    let start = out.len();
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&level.to_ne_bytes());
-    out.extend_from_slice(&kind.to_ne_bytes());
-    out.resize(start + HEADER, 0);
-    out.extend_from_slice(data);
-    out.resize(start + len.div_ceil(ALIGN) * ALIGN, 0);
+    out.put(&len.to_ne_bytes(), 0);
+    out.put(&level.to_ne_bytes(), 0);
+    out.put(&kind.to_ne_bytes(), HEADER - ALIGN - 8);
+    out.put(data, len.div_ceil(ALIGN) * ALIGN - len);
 }
 
 /// The control messages of one send: ECT(0) when `ecn` (IP_TOS for IPv4,
 /// IPV6_TCLASS for IPv6, as ints: ip_cmsg_send, ip6_datagram_send_ctl), and
 /// the GSO segment size when the send carries several datagrams (a u16:
 /// udp_cmsg_send).
-fn control(ipv6: bool, ecn: bool, segment: Option<u16>) -> Vec<u8> {
-    let mut c = Vec::with_capacity(64);
+fn control(ipv6: bool, ecn: bool, segment: Option<u16>) -> Control {
+    let mut c = Control::new();
     if ecn {
         let (level, kind) = if ipv6 {
             (libc::IPPROTO_IPV6, libc::IPV6_TCLASS)
@@ -182,7 +215,7 @@ pub(crate) fn send(
     batch: Batch<'_, '_>,
     segment: Option<usize>,
 ) -> io::Result<()> {
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(batch.grams.len() * 3);
+    let mut iov = Iovs::with_capacity(batch.grams.len() * 3);
     push_pieces(&mut iov, batch);
     let segment = segment_u16(segment)?;
     let (addr, ipv6) = destination(local, dst);
@@ -255,7 +288,7 @@ pub(crate) fn send_runs(
     runs: &[(Range<usize>, Option<usize>)],
 ) -> io::Result<usize> {
     let (addr, ipv6) = destination(local, dst);
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(batch.grams.len() * 3);
+    let mut iov = Iovs::with_capacity(batch.grams.len() * 3);
     let mut bounds = Vec::with_capacity(runs.len());
     let mut controls = Vec::with_capacity(runs.len());
     for (range, segment) in runs {
@@ -269,7 +302,7 @@ pub(crate) fn send_runs(
         .zip(&controls)
         .map(|(b, c)| crate::sys::OutMsg {
             iov: &iov[b],
-            control: c,
+            control: &c[..],
         })
         .collect();
     let to = (!connected).then_some(&addr);
@@ -277,7 +310,7 @@ pub(crate) fn send_runs(
 }
 
 /// Append the non-empty pieces of `batch`, in wire order.
-fn push_pieces<'a>(iov: &mut Vec<IoSlice<'a>>, batch: Batch<'a, '_>) {
+fn push_pieces<'a>(iov: &mut Iovs<'a>, batch: Batch<'a, '_>) {
     for (d, h) in batch.grams.iter().zip(batch.held) {
         for p in d.pieces(batch.scratch, h) {
             if !p.is_empty() {
@@ -597,6 +630,6 @@ mod tests {
         want.extend_from_slice(&103i32.to_ne_bytes());
         want.extend_from_slice(&1100u16.to_ne_bytes());
         want.extend_from_slice(&[0; 6]);
-        assert_eq!(c, want);
+        assert_eq!(&c[..], &want[..]);
     }
 }

@@ -330,11 +330,13 @@ impl SoftQp {
     /// otherwise have published the receive it acknowledges, and one that
     /// sees our response may read the counters (remote operations served).
     fn publish(&self, inner: &mut Inner, handler_follows: bool) {
-        let mut wcs = Vec::new();
-        while let Some(c) = inner.qp.poll_completion() {
-            wcs.push(work_completion(self.qpn, c));
-        }
-        if !wcs.is_empty() {
+        // Straight from the engine into the CQ (no list in between).
+        if let Some(first) = inner.qp.poll_completion() {
+            let rest = std::iter::from_fn(|| inner.qp.poll_completion());
+            let qpn = self.qpn;
+            let wcs = std::iter::once(first)
+                .chain(rest)
+                .map(|c| work_completion(qpn, c));
             self.cq.push(wcs, handler_follows);
         }
         let st = inner.qp.stats();

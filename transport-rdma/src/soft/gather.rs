@@ -168,7 +168,7 @@ const ECT0: libc::c_int = 2;
 /// Append one control message to `out` as the kernel reads it (struct
 /// cmsghdr of include/linux/socket.h: a `size_t` length counting header and
 /// data, level and type as ints, then the data, padded to the alignment of
-/// `size_t`); returns the bytes it takes.
+/// `size_t`).
 fn put_cmsg(out: &mut Control, level: libc::c_int, kind: libc::c_int, data: &[u8]) {
     const ALIGN: usize = std::mem::size_of::<usize>();
     const HEADER: usize = (ALIGN + 8).div_ceil(ALIGN) * ALIGN;

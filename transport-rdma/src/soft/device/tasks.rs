@@ -13,7 +13,7 @@ use smallvec::SmallVec;
 pub(super) type QpList = SmallVec<[Arc<SoftQp>; 4]>;
 
 pub(super) const RX_BATCH: usize = 32;
-pub(super) const RX_BUF: usize = 64 * 1024;
+const RX_BUF: usize = 64 * 1024;
 
 /// A receive slot's buffer, already in `bytes`' reference-counted form (a
 /// split puts it there). Each batch's datagrams are slices of it: a buffer

@@ -421,7 +421,9 @@ if sr[0]:
     w("`rdmx soak` moves a mix of writes read back, writes with immediate, sends and atomics, "
       "with every byte and returned value checked, one 1 MiB operation at a time, between two network namespaces joined by a veth pair "
       "(MTU 1500, so RoCE path MTU 1024). nftables drops the given share of UDP 4791 packets "
-      "in each direction. Selective repeat is rdmx's negotiated extension; go-back-N is what "
+      "in each direction; the lossless runs (0%) pass through the same rule, which then drops "
+      "nothing, so that every ratio to them measures the loss, not the rule's own per-packet "
+      "cost (the next table's \"no rule\" row shows that cost). Selective repeat is rdmx's negotiated extension; go-back-N is what "
       "NICs speak. GSO is off on the veth so that nftables sees single packets; that costs "
       "the TCP transport far more than soft RoCE (see the loopback tables for TCP at full "
       "speed).\n")
@@ -445,17 +447,20 @@ if sr[0]:
           "(selective repeat), for 2 s each, three rounds interleaved over the loss rates: median MB/s, "
           "spread = (max − min) / median. The protocol counters are the client's for one 2 s run "
           "(medians over the rounds): packets resent (READs: ranges asked again), retransmission "
-          "timer expiries, NAKs received.\n")
+          "timer expiries, NAKs received. The \"no rule\" rows run with the nftables chain "
+          "empty: against the lossless rows (the same rule, dropping nothing) they show what "
+          "the loss injector itself costs.\n")
         w(f"Command: `{cmd('loss_window_10_r1')}`\n")
         w("| loss | op | MB/s | spread | rounds | × lossless | retransmits | timer expiries | NAKs |")
         w("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-        for p in (0, 10, 50):
+        for p in ("none", 0, 10, 50):
             for op in ("write", "read"):
                 (v, s_, n), (c, _, _) = window_goodput(p, op), window_goodput(0, op)
                 k = window_counters(p, op)
                 ks = " | ".join(f"{x:.0f}" for x in k) if k else "— | — | —"
+                loss = "0% (no rule)" if p == "none" else f"{p / 10:.1f}%"
                 if v:
-                    w(f"| {p / 10:.1f}% | {op} | {f(v, 1)} | {f(s_, 0)}% | {n} | {f(v / c) if c else '—'} | {ks} |")
+                    w(f"| {loss} | {op} | {f(v, 1)} | {f(s_, 0)}% | {n} | {f(v / c) if c else '—'} | {ks} |")
         w("")
 
 # rpc_bench runs each point (size, calls in flight) on every system in turn;
@@ -672,6 +677,9 @@ w("")
 if rounds_1m:
     w(f"The 1 MiB single-operation targets are medians of the per-round ratios to raw TCP over "
       f"interleaved rounds of `{cmd('rdmx_lat1m_r1')}`.\n")
+if sr[0] or rdmx("loss_window_0_r1"):
+    w("The loss targets' lossless goodput runs through the same nftables rule as the lossy "
+      "runs, dropping nothing (see \"Goodput under packet loss\").\n")
 SVG = os.environ.get("BENCH_SVG", "bench/perf-tcp.svg")
 w(f"![latency and bandwidth against size]({SVG})\n")
 w(f"`{SVG}` is drawn by `rdmx perf --loopback --baseline raw-tcp --op write,read --svg {SVG}` in the same run.\n")

@@ -30,6 +30,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use futures_util::stream::Stream;
 use rdmx_core::{Connection, Listener};
@@ -45,14 +46,16 @@ pub mod echo {
 }
 
 /// What a tonic handler learns about its caller (`request.extensions()`).
+/// tonic clones it into every request, so its text is shared (`Arc<str>`:
+/// a clone is a reference count, not two string copies per call).
 #[derive(Clone, Debug)]
 pub struct RdmxConnectInfo {
     /// The peer's address.
     pub peer_addr: Option<SocketAddr>,
     /// `tcp` or `rdma`.
-    pub transport: String,
+    pub transport: Arc<str>,
     /// Provider detail (e.g. the soft RoCE device and QPNs).
-    pub provider: String,
+    pub provider: Arc<str>,
 }
 
 impl tonic::transport::server::Connected for RdmxStream {
@@ -62,8 +65,8 @@ impl tonic::transport::server::Connected for RdmxStream {
         let info = self.connection().info();
         RdmxConnectInfo {
             peer_addr: info.peer_addr,
-            transport: info.transport.clone(),
-            provider: info.provider.clone(),
+            transport: Arc::from(info.transport.as_str()),
+            provider: Arc::from(info.provider.as_str()),
         }
     }
 }

@@ -27,7 +27,7 @@ use std::task::{ready, Context, Poll, Waker};
 
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
-use rdmx_core::{Connection, Error};
+use rdmx_core::{Connection, Error, OpFuture};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -125,7 +125,9 @@ pub struct RdmxStream {
     conn: Connection,
     /// Unread rest of the last message received.
     pending: Bytes,
-    recv: Option<BoxFuture<rdmx_core::Result<Bytes>>>,
+    /// The receive in progress: the connection's own future, held here
+    /// (no box of ours around it, no clone of the connection per message).
+    recv: Option<OpFuture<Bytes>>,
     out: Arc<Mutex<Outgoing>>,
     eof: bool,
     /// Which flushes send themselves.
@@ -379,15 +381,15 @@ impl AsyncRead for RdmxStream {
             if this.eof {
                 return Poll::Ready(Ok(()));
             }
-            let fut = this.recv.get_or_insert_with(|| {
-                let c = this.conn.clone();
-                Box::pin(async move { c.recv_message().await })
-            });
+            let conn = &this.conn;
+            let fut = this
+                .recv
+                .get_or_insert_with(|| conn.recv_message().into_future());
             // This task reads (its peer answered) or waits to read: what it
             // wrote before was flushed, so its next flushes may send
             // themselves again.
             this.out.lock().direct_sends = 0;
-            match ready!(fut.as_mut().poll(cx)) {
+            match ready!(Pin::new(fut).poll(cx)) {
                 Ok(m) => this.pending = m,
                 // The peer closed: end of stream.
                 Err(Error::Disconnected(_)) => this.eof = true,

@@ -18,7 +18,7 @@ impl Echo for Svc {
         let who = r
             .extensions()
             .get::<RdmxConnectInfo>()
-            .map(|i| i.transport.clone())
+            .map(|i| i.transport.to_string())
             .ok_or_else(|| Status::internal("no rdmx connect info"))?;
         let mut payload = r.into_inner().payload;
         payload.reverse();

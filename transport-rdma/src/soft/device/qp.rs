@@ -273,8 +273,10 @@ impl SoftQp {
     /// woke the timer task on the worker the application ran on, which
     /// handed the application to the other worker (8 B send round trips
     /// 24-30 µs instead of 19-20 on two workers).
-    fn update_deadline(&self, inner: &mut Inner) {
-        let slack = inner.guards.slack(&inner.qp.stats(), self.dev.now());
+    /// `now` is the pump's one reading of the device clock (the guards'
+    /// slack changes on a scale of 100 ms).
+    fn update_deadline(&self, inner: &mut Inner, now: u64) {
+        let slack = inner.guards.slack(&inner.qp.stats(), now);
         let (d, urgent) = wake_times(inner.qp.timeouts(), slack);
         // SeqCst: the timer task's scan and `TimerTarget` rely on one order.
         self.deadline.store(d, Ordering::SeqCst);
@@ -311,15 +313,20 @@ impl SoftQp {
     /// sends it). Returns whether one is still held.
     fn pump_for(self: &Arc<Self>, handler_follows: bool, keep_held: bool) -> bool {
         let mut g = self.inner.lock();
+        // One clock reading per pump, for the sends and the timer: a round
+        // trip of small sends pumps four times, and its steps read the
+        // clock eight times (a send and the ACK released behind it, and the
+        // timer after them, each read it).
+        let now = self.dev.now();
         self.publish(&mut g, handler_follows);
         if g.backlog.is_empty() {
             if keep_held {
-                self.transmit(&mut g, handler_follows);
+                self.transmit(&mut g, handler_follows, now);
             } else {
-                self.transmit_releasing(&mut g, handler_follows);
+                self.transmit_releasing(&mut g, handler_follows, now);
             }
         }
-        self.update_deadline(&mut g);
+        self.update_deadline(&mut g, now);
         self.count(g.qp.stats());
         g.qp.ack_held()
     }
@@ -372,22 +379,28 @@ impl SoftQp {
     /// [`SoftQp::transmit`], then an ACK still held for the application's
     /// answer, alone: a held ACK leaves behind anything sent with it (its
     /// answer), never before.
-    fn transmit_releasing(self: &Arc<Self>, g: &mut MutexGuard<'_, Inner>, handler_follows: bool) {
-        self.transmit(g, handler_follows);
+    fn transmit_releasing(
+        self: &Arc<Self>,
+        g: &mut MutexGuard<'_, Inner>,
+        handler_follows: bool,
+        now: u64,
+    ) {
+        self.transmit(g, handler_follows, now);
         if g.qp.ack_held() && g.backlog.is_empty() {
             g.qp.release_ack();
-            self.transmit(g, handler_follows);
+            self.transmit(g, handler_follows, now);
         }
     }
 
-    fn transmit(self: &Arc<Self>, g: &mut MutexGuard<'_, Inner>, handler_follows: bool) {
+    /// Send what the engine has, `now` being the device clock's reading
+    /// (taken again after a burst listened for the peer's packets).
+    fn transmit(self: &Arc<Self>, g: &mut MutexGuard<'_, Inner>, handler_follows: bool, now: u64) {
         let inner = &mut **g;
         let (Some(tx), Some(peer)) = (inner.tx.clone(), inner.peer) else {
             // Not connected: drop anything the engine queued (e.g. flush-time ACKs).
-            while inner.qp.poll_transmit(self.dev.now()).is_some() {}
+            while inner.qp.poll_transmit(now).is_some() {}
             return;
         };
-        let now = self.dev.now();
         if let Some(raw) = &tx.raw {
             let ecn = if self.dev.cfg.ecn { 2 } else { 0 };
             while let Some(p) = inner.qp.poll_transmit(now) {
@@ -762,8 +775,9 @@ impl SoftQp {
                 }
                 if inner.backlog.is_empty() {
                     inner.flushing = false;
-                    qp.transmit_releasing(&mut g, false);
-                    qp.update_deadline(&mut g);
+                    let now = qp.dev.now();
+                    qp.transmit_releasing(&mut g, false, now);
+                    qp.update_deadline(&mut g, now);
                     return;
                 }
             }

@@ -344,6 +344,19 @@ impl Packet {
         Packet::decode_with(b, |r| b.slice(r))
     }
 
+    /// [`Packet::decode_shared`] of the bytes of `b` in `within` (one
+    /// datagram of a receive buffer that holds several, its ICRC left
+    /// out), without a [`Bytes`] of its own for them: the payload is the
+    /// one slice taken. A range past the end of `b` is cut at the end.
+    pub fn decode_shared_in(
+        b: &Bytes,
+        within: std::ops::Range<usize>,
+    ) -> Result<Packet, DecodeError> {
+        let end = within.end.min(b.len());
+        let start = within.start.min(end);
+        Packet::decode_with(&b[start..end], |r| b.slice(start + r.start..start + r.end))
+    }
+
     fn decode_with(
         b: &[u8],
         payload: impl FnOnce(std::ops::Range<usize>) -> Bytes,
@@ -589,6 +602,34 @@ mod tests {
                 prop_assert!(at + s.payload.len() <= shared.len());
                 prop_assert_eq!(&shared[at..at + s.payload.len()], &p.payload[..]);
             }
+        }
+
+        /// A packet amid other bytes (a datagram of a GRO buffer, its
+        /// ICRC behind it) decodes in place as it does alone, its payload
+        /// a slice of the buffer at the packet's own place.
+        #[test]
+        fn decodes_in_place_within_a_buffer(
+            p in arb_packet(),
+            before in proptest::collection::vec(any::<u8>(), 0..64),
+            after in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut b = before.clone();
+            p.encode(&mut b);
+            let end = b.len();
+            b.extend_from_slice(&after);
+            let shared = Bytes::from(b);
+            let s = Packet::decode_shared_in(&shared, before.len()..end).unwrap();
+            prop_assert_eq!(&s, &p);
+            if !s.payload.is_empty() {
+                let at = s.payload.as_ptr() as usize - shared.as_ptr() as usize;
+                prop_assert!(at >= before.len() && at + s.payload.len() <= end);
+            }
+            // Cut short, it fails as the shorter buffer alone would.
+            let short = before.len()..end - 1;
+            prop_assert_eq!(
+                Packet::decode_shared_in(&shared, short.clone()).is_ok(),
+                Packet::decode(&shared[short]).is_ok()
+            );
         }
 
         #[test]

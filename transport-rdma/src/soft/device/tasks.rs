@@ -179,8 +179,11 @@ pub(super) fn receive_batch(
         let mut at = 0;
         while at < meta.len {
             let end = (at + stride).min(meta.len);
-            let dgram = full.slice(at..end);
-            handle_datagram(d, solver, now, meta, &dgram, &mut touched);
+            // The datagram as a range of the buffer, not a `Bytes` of its
+            // own: the engine takes the one slice it keeps (the payload).
+            // Each reference taken and let go is an atomic operation on the
+            // buffer's count; this takes one per datagram instead of three.
+            handle_datagram(d, solver, now, meta, &full, at..end, &mut touched);
             at = end;
         }
         *slot = full.try_into_mut().unwrap_or_else(|_| rx_slot());
@@ -289,10 +292,12 @@ fn handle_datagram(
     solver: &mut Ipv4IdSolver,
     now: u64,
     meta: &RecvMeta,
-    dgram: &Bytes,
+    buf: &Bytes,
+    range: std::ops::Range<usize>,
     touched: &mut QpList,
 ) {
     let c = &d.counters;
+    let dgram = &buf[range.clone()];
     c.rx_packets.fetch_add(1, Ordering::Relaxed);
     c.rx_bytes.fetch_add(dgram.len() as u64, Ordering::Relaxed);
     if dgram.len() < 16 {
@@ -319,7 +324,7 @@ fn handle_datagram(
         c.icrc_errors.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    let pkt = match Packet::decode_shared(&dgram.slice(..t.len())) {
+    let pkt = match Packet::decode_shared_in(buf, range.start..range.start + t.len()) {
         Ok(p) => p,
         Err(_) => {
             c.malformed.fetch_add(1, Ordering::Relaxed);

@@ -268,10 +268,10 @@ if [ "$(id -u)" = 0 ] && need nft && need ip; then
   pin_cc $NB "$CC" "198.18.1.0/24 dev rdmxbvb proto kernel scope link src 198.18.1.2" || true
   # nftables drops PERMILLE/1000 of UDP 4791 each way. The lossless rounds
   # (0) pass through the same rule, which then drops nothing: the rule costs
-  # the sending CPU the same per packet at any rate (6-8% of a full
-  # window's goodput on this VM), and a lossless baseline without it charged
-  # that cost to loss recovery. `none` takes the rule away, for one row that
-  # shows the injector's own cost.
+  # the sending CPU the same per packet at any rate (5-8% of a full
+  # window's goodput on this VM, by hand and in the "no rule" rows), and a
+  # lossless baseline without it charged that cost to loss recovery. `none`
+  # takes the rule away, for one row that shows the injector's own cost.
   set_loss() {
     for n in $NA $NB; do
       ip netns exec $n nft flush chain inet rdmx input
